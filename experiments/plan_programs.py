@@ -1614,8 +1614,11 @@ def verdict(result: dict) -> str:
         "offload_optimizer (a run's optim.offload_during_rollout)"]
     # The models kept beside: where the run keeps them (beside_train_state).
     if plan.get("generation_devices"):
-      models = ["more generation devices (generation_devices: a run's "
-                "async_ppo.generation_devices)"]
+      # (more generation devices split the batch only: the group's data-only mesh keeps the
+      # models whole on every device, group_actor_bytes; proposed here until 2026-12-07)
+      models = ["generation on the training devices (generation_devices 0: a run's "
+                "async_ppo.generation_devices; a generation group keeps the models whole on "
+                "every device)"]
     elif plan.get("generation") == "mesh":
       models = ["generation on instances (a run's plan.generation='instances' or "
                 "fusion.inter_stage: the frozen models wait in host memory)"]

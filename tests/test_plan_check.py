@@ -526,8 +526,9 @@ def test_a_decode_that_fits_only_alone_is_named_with_the_training_state_beside_i
   result["plan"]["generation_devices"] = 4
   assert plan_programs.verdict(result) == (
       "verdict: DOES NOT FIT: decode (peak 85.08 of 80.00 GB with the models; largest: the "
-      "models beside it: more generation devices (generation_devices: a run's "
-      "async_ppo.generation_devices))")
+      "models beside it: generation on the training devices (generation_devices 0: a run's "
+      "async_ppo.generation_devices; a generation group keeps the models whole on every "
+      "device))")
   # Both beside it: the peak counts both, each is a term with its own remedy (the models, a
   # little larger, hid the training state's before); where the run keeps the models says
   # what frees them.
