@@ -1071,6 +1071,47 @@ def test_an_async_generation_groups_actor_is_counted_whole_as_the_trainer_holds_
   assert ps.group_actor_bytes(wl, opt, {}) == 0  # (no group: none)
 
 
+def test_a_generation_groups_pipeline_keeps_the_reference_on_its_inference_mesh(tmp_path):
+  """async_ppo.generation_devices=4 with plan.generation='pipeline' (generation_pp=2) and
+  plan.inference_tp=2: the trainer's PlannedStage places the reference on a data=2 x tensor=2
+  mesh of the group once, where it stays through every generation. plan_search's generation
+  row of such a split (sim.trainer_runnable) counted no frozen weights beside the pipeline
+  (sim.offload_frozen's host memory, which this stage never uses); it now counts the
+  reference over the inference tp, measured here from the trainer's arrays, beside the whole
+  actor."""
+  from rlhfuse_jax.sim import iteration_sim as it
+  from rlhfuse_jax.sim import plan_search as ps
+  from rlhfuse_jax.sim import shapes
+  from rlhfuse_jax.trainer.config import TrainConfig
+  from rlhfuse_jax.trainer.loop import PPOTrainer
+  run = _async_run(**{"async_ppo.generation_devices": 4, "plan.generation": "pipeline",
+                      "plan.generation_pp": 2, "plan.inference_tp": 2})
+  run.model.num_layers = run.critic_model.num_layers = 2
+  trainer = PPOTrainer(TrainConfig.from_config_dict(run), str(tmp_path))
+  group = set(trainer.gen_mesh.devices.flat)
+  held = {}
+  for x in jax.tree.leaves(trainer.rollout.reference):
+    for shard in x.addressable_shards:
+      held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+  assert set(held) == group and len(set(held.values())) == 1
+  cfg = TrainConfig.from_config_dict(run)
+  wl = it.Workload(actor=shapes.from_model_config(cfg.model, "actor", dtypes=True),
+                   critic=shapes.from_model_config(cfg.critic_model, "critic", dtypes=True),
+                   num_devices=8, global_batch=16, minibatch=8, max_new_tokens=6,
+                   reward_model=False)  # (ppo_tiny scores with a function)
+  plan = {"generation": {"mode": "pipeline", "tp": 1, "pp": 2, "groups": 2, "slots": 16},
+          "inference": {"tp": 2, "pp": 1},
+          "training": {"placement": "colocated", "devices": 4, "tp": 1, "actor_pp": 1,
+                       "critic_pp": 1},
+          "async": {"generation_devices": 4, "training_devices": 4, "staleness": 1,
+                    "colocated": False}}
+  gen = ps.plan_memory(ps.CostModel(hardware.get_hardware("h100_sxm")), wl,
+                       it.SimOptions(trainer_runnable=True), plan)[0]
+  assert gen["parts"]["frozen weights kept"] == pytest.approx(max(held.values()), rel=0.05)
+  assert gen["parts"][ps.GROUP_ACTOR] == pytest.approx(
+      plan_programs._nbytes(llama.param_shapes(cfg.model)), rel=0.01)
+
+
 def test_async_ppos_copy_of_the_actor_stands_beside_the_update_and_the_generation(tmp_path):
   """The copy counts where the trainer holds it, beside the whole training state: beside the
   train step (whose peak alone was its fit), beside every program of the generation it feeds

@@ -777,7 +777,9 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
   models' weights and AdamW state (iteration_sim.kept_state_bytes; a disjoint placement's
   larger one), the search's _memory_refusal. On an asynchronous split's generation group, with
   sim.trainer_runnable, generation and inference also hold the whole actor (GROUP_ACTOR,
-  group_actor_bytes). Where the trainer keeps asynchronous PPO's copy of
+  group_actor_bytes), and a generation pipeline there the frozen weights the trainer keeps on
+  the group's inference mesh (rollout.PlannedStage). Where the trainer keeps asynchronous PPO's
+  copy of
   the actor on the training devices (keeps_actor_copy), every row also holds it (ACTOR_COPY,
   actor_copy_bytes: beside the update, and beside the generation and inference it is made
   for; a disjoint placement's on the actor's devices), and the AdamW state is kept whatever
@@ -794,6 +796,11 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
   prompts, _ = wl.sample_lengths()
   slot_cap = wl.kv_slot_len(prompts)
   kept = it.kept_frozen_bytes(wl, inf["tp"], opt)
+  if opt.trainer_runnable and gen["mode"] == "pipeline" and g < n:
+    # The trainer's pipeline on a generation group scores on a mesh of the group at the
+    # inference tp (rollout.PlannedStage), where it places the reference and the reward model
+    # once: beside the generation too, whatever sim.offload_frozen says.
+    kept = it.kept_frozen_bytes(wl, inf["tp"], dataclasses.replace(opt, offload_frozen=False))
   kept_parts = {"frozen weights kept": kept} if kept else {}
   a = wl.actor
   if gen["mode"] == "instances":
