@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from rlhfuse_jax.inference.scoring import RewardTerm, Rewards, Scorer, ScoringBatch
-from rlhfuse_jax.models import llama
+from rlhfuse_jax.models import llama, sequences
 from rlhfuse_jax.parallel import mesh as mesh_lib
+from rlhfuse_jax.sim import cost_model
 
 ACTOR = llama.ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2,
                           num_heads=4, num_kv_heads=2, max_seq_len=64)
@@ -273,3 +274,41 @@ def test_a_statistic_may_have_no_value_but_not_an_infinite_one(batch):
   with pytest.raises(ValueError, match="statistic 'huge' returned a non-finite reward for "
                                        "sample 1 of"):
     Rewards(fn=lambda r, t, l: np.zeros(len(l)), stats=[huge]).scored(batch)
+
+
+def test_log_probs_on_tensor_devices_hold_one_copy_of_their_share_of_the_logits():
+  """The scoring forward (the trainer's actor_logp, an instance's reference) with the vocabulary
+  split over `tensor`: its temporaries are one float32 copy of each device's V/tp columns of the
+  logits, as cost_model.LOGITS_COPIES_SCORING counts them. Through log_softmax, GSPMD kept its
+  shifted copy beside the logits (the max's all-reduce between them): 2 copies of the half at
+  tensor 2, as many bytes a device as at tensor 1 (1.00x; now 0.50x)."""
+  cfg = llama.ModelConfig(vocab_size=16384, hidden_size=64, intermediate_size=128, num_layers=1,
+                          num_heads=2, num_kv_heads=2, max_seq_len=128)
+  rows, seq, t = 4, 48, 32
+  one = 4.0 * rows * t * cfg.vocab_size  # float32 logits [rows, T, V]
+  temps = {}
+  for tp in (1, 2):
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1, tensor=tp), jax.devices()[:tp])
+    shapes = llama.param_shapes(cfg)
+    params = mesh_lib.abstract(shapes, mesh_lib.param_shardings(shapes, llama.logical_specs(cfg),
+                                                                mesh))
+    low = Scorer(mesh).lower_logprobs(cfg, params, rows, seq, t)
+    temps[tp] = low.compile().memory_analysis().temp_size_in_bytes
+    assert temps[tp] == pytest.approx(cost_model.LOGITS_COPIES_SCORING * one / tp, rel=0.1), (
+        tp, temps[tp] / one)
+  assert temps[2] < 0.6 * temps[1], temps
+
+
+def test_log_probs_alone_are_the_log_softmaxs_to_the_bit():
+  """sequences.token_logprobs (the scoring forward's) against the update's
+  token_logprobs_and_entropy: the same operations at the target, so a recomputed old_logp
+  equals the update's first log-probs exactly (ratio 1), -inf logits included."""
+  key = jax.random.PRNGKey(0)
+  logits = 30.0 * jax.random.normal(key, (3, 8, 500))
+  targets = jax.random.randint(key, (3, 8), 0, 500)
+  logits = logits.at[0, 0, targets[0, 0]].set(-jnp.inf)
+  for temp in (1.0, 0.7):
+    alone = jax.jit(sequences.token_logprobs, static_argnums=2)(logits, targets, temp)
+    both = jax.jit(sequences.token_logprobs_and_entropy, static_argnums=2)(logits, targets, temp)
+    np.testing.assert_array_equal(np.asarray(alone), np.asarray(both[0]))
+  assert np.asarray(alone)[0, 0] == -np.inf

@@ -107,8 +107,8 @@ def response_logprobs(cfg: ModelConfig, params, tokens, prompt_lens, num_respons
                       temperature: float = 1.0, *, mesh: Optional[Mesh] = None):
   """[B, T] float32 log-probs of the response tokens under `params` (LM head)."""
   with llama.shard_activations(mesh, mesh_lib.LOGICAL_RULES):
-    return sequences.response_logprobs_and_entropy(cfg, params, tokens, prompt_lens,
-                                                   num_response, temperature)[0]
+    return sequences.response_logprobs(cfg, params, tokens, prompt_lens, num_response,
+                                       temperature)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "num_response", "mesh"))

@@ -94,6 +94,32 @@ def token_logprobs_and_entropy(logits, targets, temperature: float = 1.0):
   return logp, entropy
 
 
+def token_logprobs(logits, targets, temperature: float = 1.0):
+  """token_logprobs_and_entropy's log-probs alone, as the scoring forward needs them: the
+  target's logit, shifted by the max, less the log-sum-exp of the shifted logits, so nothing of
+  the logits' size is stored beside them. The same operations as jax.nn.log_softmax at the
+  target: the same values (bit for bit on XLA:CPU). Through log_softmax, GSPMD with the
+  vocabulary split over `tensor` stored its shifted copy beside the logits (the max's
+  all-reduce sits between them): two copies of the share a device, as many bytes at tensor 2 as
+  at tensor 1 (plan_check's actor_logp)."""
+  x = logits.astype(jnp.float32) / temperature
+  top = jax.lax.stop_gradient(jnp.max(x, axis=-1))
+  lse = jnp.log(jnp.sum(jnp.exp(x - top[..., None]), axis=-1))
+  hit = jnp.take_along_axis(x, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  return (hit - top) - lse
+
+
+def response_logprobs(cfg: ModelConfig, params: Any, tokens, prompt_lens, num_response: int,
+                      temperature: float = 1.0):
+  """response_logprobs_and_entropy's log-probs [B, T] alone (`token_logprobs`): the scoring
+  forward's (inference/scoring.response_logprobs)."""
+  if cfg.head != "lm":
+    raise ValueError(f"response_logprobs needs model.head='lm', got {cfg.head!r}")
+  pos = response_positions(prompt_lens, num_response)  # [B, T]
+  logits, _ = forward_at(cfg, params, tokens, pos)  # [B, T, V]
+  return token_logprobs(logits, response_targets(tokens, pos), temperature)
+
+
 def response_logprobs_and_entropy(cfg: ModelConfig, params: Any, tokens, prompt_lens,
                                   num_response: int, temperature: float = 1.0):
   """Per-response-token log-probs and entropies under `params` (an LM-head model).
