@@ -11,6 +11,7 @@ from rlhfuse_jax.inference import scoring
 from rlhfuse_jax.inference import stages
 from rlhfuse_jax.models import llama
 from rlhfuse_jax.models import sequences
+from rlhfuse_jax.parallel import mesh as mesh_lib
 
 ACTOR = llama.ModelConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=4,
                           num_heads=4, num_kv_heads=2, max_seq_len=64, dtype="float32")
@@ -81,3 +82,27 @@ def test_a_split_that_does_not_divide_the_layers_is_refused():
     stages.check_split(ACTOR, 3, "config.fusion.inference_pp")
   with pytest.raises(ValueError, match=r"expected an integer >= 1"):
     stages.check_split(ACTOR, 0, "config.fusion.inference_pp")
+
+
+def test_the_last_stage_on_tensor_devices_holds_one_copy_of_its_share_of_the_logits():
+  """The last stage's reference log-probs with the vocabulary split over `tensor` (an instance
+  of gen_tp devices): its temporaries are one float32 copy of each device's V/tp columns of the
+  logits, half of tensor 1's. Through log_softmax they were two copies (1.00x tensor 1's)."""
+  cfg = ACTOR.replace(vocab_size=16384, num_layers=2)
+  pp, rows, seq, t = 2, 4, 48, 32
+  one = 4.0 * rows * t * cfg.vocab_size  # float32 logits [rows, T, V]
+  shapes = jax.eval_shape(lambda p: stages.stage_params(cfg, p, pp, pp - 1),
+                          llama.param_shapes(cfg))
+  temps = {}
+  for tp in (1, 2):
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1, tensor=tp), jax.devices()[:tp])
+    params = mesh_lib.abstract(shapes, stages.stage_shardings(cfg, shapes, pp, pp - 1, mesh))
+    rep = mesh_lib.replicated(mesh)
+    x = jax.ShapeDtypeStruct((rows, seq, cfg.hidden_size), jnp.float32, sharding=rep)
+    tokens = jax.ShapeDtypeStruct((rows, seq), jnp.int32, sharding=rep)
+    lens = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=rep)
+    low = stages.scores.lower(cfg, params, x, tokens, lens, lens, kind="reference", pp=pp,
+                              num_response=t, mesh=mesh)
+    temps[tp] = low.compile().memory_analysis().temp_size_in_bytes
+    assert temps[tp] == pytest.approx(one / tp, rel=0.1), (tp, temps[tp] / one)
+  assert temps[2] < 0.6 * temps[1], temps

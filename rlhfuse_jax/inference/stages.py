@@ -133,4 +133,4 @@ def scores(cfg: ModelConfig, params, x, tokens, prompt_lens, response_lens, *, k
     if kind == "critic":
       return out
     targets = sequences.response_targets(tokens, at)  # [mb, T]
-    return sequences.token_logprobs_and_entropy(out, targets, temperature)[0]
+    return sequences.token_logprobs(out, targets, temperature)  # (one copy of the logits)
