@@ -552,8 +552,9 @@ def main(argv):
     asynchronous = {**ab["async"], "predicted_iteration_s": ab["predicted"]["iteration_s"],
                     "plan": ab, "top": a["top"], "splits": a["splits"], "search_s": a["search_s"],
                     "colocated_refused": a["colocated_refused"]}
-    if best is None or (not ab["async"]["colocated"] and (ab["predicted"]["iteration_s"] <
-                                                          best["predicted_iteration_s"])):
+    # (an asynchronous run on the training devices: the split, wherever it beat the
+    # synchronous plan run so, plan_json_choice)
+    if plan_search.plan_json_choice(wl, res["best"], ab) == "asynchronous":
       plan, which = ab, "asynchronous"
   if uniform is not None and uniform["predicted_iteration_s"] < plan["predicted"]["iteration_s"]:
     logging.warning("the uniform layout %s (%ss) is predicted faster than plan.json's %s plan "

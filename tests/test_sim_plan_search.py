@@ -1514,3 +1514,28 @@ def test_an_async_generation_group_is_charged_the_whole_actor_the_trainer_keeps_
     if not plan["async"]["colocated"]:
       assert rows[0]["parts"][ps.GROUP_ACTOR] == a.weight_bytes()
   assert ps.GROUP_ACTOR not in ps.plan_memory(COST, wl, it.SimOptions(), old)[0]["parts"]
+
+
+def test_an_asynchronous_run_on_the_training_devices_writes_the_split_that_beats_it():
+  """plan.json's choice (plan_json_choice): for a run with async_ppo.staleness > 0 and no
+  generation group (Workload.actor_copy) a plan without an "async" split runs asynchronously,
+  at the colocated option's time, so a split faster than that is written even where the
+  synchronous time is lower. 7B/7B on 16 H100s: synchronous 0.997 s < the 8 / 8 split's
+  1.052 s < the synchronous plan run asynchronously, 1.130 s; until 2026-12-07 such a run was
+  given the synchronous plan. A synchronous run keeps the synchronous plan."""
+  a = get_shape("llama-7b")
+  wl = it.Workload(actor=a, critic=a.as_critic(), num_devices=16, global_batch=64,
+                   minibatch=32, max_new_tokens=64, actor_copy=True)
+  res = ps.search(COST, wl, it.SimOptions(trainer_runnable=True), top_k=5, staleness=1,
+                  split_unit=8)
+  sync, top = res["best"], res["async"]["top"]
+  split = res["async"]["best"]
+  colocated = next(p for p in top if p["async"]["colocated"])
+  assert not split["async"]["colocated"]
+  assert (sync["predicted"]["iteration_s"] < split["predicted"]["iteration_s"] <
+          colocated["predicted"]["iteration_s"])
+  assert ps.plan_json_choice(wl, sync, split) == "asynchronous"
+  assert ps.plan_json_choice(dataclasses.replace(wl, actor_copy=False), sync,
+                             split) == "synchronous"
+  assert ps.plan_json_choice(wl, sync, colocated) == "synchronous"
+  assert ps.plan_json_choice(wl, None, split) == "asynchronous"

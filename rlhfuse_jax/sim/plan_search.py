@@ -958,6 +958,26 @@ def _describe_train(p: dict) -> str:
           f"{c['devices']} dev (tp{c['tp']} pp{c['pp']} dp{c['dp']})")
 
 
+def plan_json_choice(wl, best: Optional[dict], async_best: Optional[dict]) -> str:
+  """Which plan plan.json holds: "asynchronous" (`async_best`, async_search's best, where it
+  is a split) or "synchronous" (`best`, the synchronous search's; its colocated option
+  written as that plan). A split where no synchronous plan fits, or where it is predicted
+  faster than the synchronous plan; for a run that generates asynchronously on its training
+  devices (Workload.actor_copy: async_ppo.staleness > 0 without a generation group) wherever
+  it is async_search's best: the trainer runs a plan without an "async" split asynchronously
+  too, at the colocated option's time (async_colocated_predicted: the rescore, no critic on
+  the instances), which the split beat. Until 2026-12-07 the split was compared with the
+  synchronous time there: 7B/7B on 16 H100s (batch 64, mini-batch 32, 64 new tokens,
+  staleness 1, trainer_runnable) wrote the synchronous plan (0.997 s) that such a run takes
+  1.130 s with, over the 8 / 8 split's 1.052 s."""
+  if async_best is None or async_best["async"].get("colocated", True):
+    return "synchronous" if best is not None else "asynchronous"
+  if best is None or wl.actor_copy:
+    return "asynchronous"
+  faster = async_best["predicted"]["iteration_s"] < best["predicted"]["iteration_s"]
+  return "asynchronous" if faster else "synchronous"
+
+
 # ----------------------------------------------------------------------------- the trainer
 def trainer_refusal(wl, plan: dict, host_devices: Optional[int] = None) -> Optional[str]:
   """Why the trainer (rlhfuse_jax/trainer: plan_file.plan_file_settings, rollout.check_plan,
