@@ -9,14 +9,17 @@ Searches generation (instances, or delayed inter-batch pipelines), inference and
 asynchronous PPO's splits of the devices into a generation and a training group, and writes
 into the workdir:
   plan.json       the fastest plan: generation / inference / training layouts, predicted stage
-                  times; the asynchronous plan where it beats the synchronous one, then with
+                  times; the asynchronous plan where it beats the synchronous one (for a
+                  train_config run asynchronously on its training devices, the synchronous
+                  one run so: plan_search.plan_json_choice), then with
                   "async": {generation_devices, training_devices, staleness, colocated} (the
                   generation and inference layouts on the generation group, training on the
                   other devices), the hardware's values ("hardware") and the workload
                   searched for ("workload": actor and critic shapes, global_batch, minibatch,
                   epochs, max_prompt_len, max_new_tokens, num_devices, reference,
                   reward_model, lengths: the prompt and response lengths searched with and
-                  a run's data fields they came from;
+                  a run's data fields they came from; actor_copy: whether its memory check
+                  counted asynchronous PPO's copy of the actor on the training devices;
                   train_config and its fusion.inference_micro_batch,
                   fusion.migration_rows, optim.master_weights and
                   optim.offload_during_rollout (offload_optimizer) when given;
