@@ -314,6 +314,15 @@ def check_train_configs(runs: Sequence[tuple[int, str, dict]], configs: dict[str
   return out
 
 
+def _record_has(record: dict, field: str) -> bool:
+  """Whether config record `record` (config.json's nested sections) holds dotted `field`."""
+  section, _, key = field.rpartition(".")
+  node: Any = record
+  for part in section.split(".") if section else ():
+    node = node.get(part) if isinstance(node, dict) else None
+  return isinstance(node, dict) and key in node
+
+
 def refuse_changed_trajectories(workdir: str, runs: Sequence[tuple[int, str, dict]],
                                 cfgs: dict[str, Any]) -> dict[str, list[str]]:
   """A ValueError, before any run starts, naming each train_ppo run whose directory holds
@@ -327,6 +336,7 @@ def refuse_changed_trajectories(workdir: str, runs: Sequence[tuple[int, str, dic
   from rlhfuse_jax.trainer import config as config_lib  # pylint: disable=import-outside-toplevel
   from rlhfuse_jax.trainer import hooks  # pylint: disable=import-outside-toplevel
   from rlhfuse_jax.trainer import inputs  # pylint: disable=import-outside-toplevel
+  from rlhfuse_jax.trainer import loop  # pylint: disable=import-outside-toplevel
   refused, let_through = [], {}
   for i, name, _ in runs:
     run_dir = os.path.join(workdir, name)
@@ -341,7 +351,16 @@ def refuse_changed_trajectories(workdir: str, runs: Sequence[tuple[int, str, dic
       continue
     cfg = cfgs[name]
     allowed = cfg.checkpoint.resume_changes_set
-    changes = [c for c in config_lib.fingerprint_changes(saved.fingerprint(), cfg.fingerprint())
+    # A field the record lacks (written before it existed) is compared as the run compares it:
+    # with the value such a run had where that is not the default (loop.ran_before_fields),
+    # not with the default from_config_dict filled in.
+    try:
+      ran_before = loop.ran_before_fields(cfg)
+    except (OSError, ValueError):  # its reward model unreadable, or 'on' without statistics:
+      ran_before = {}  # the run says so as it starts
+    absent = {k: v for k, v in ran_before.items() if not _record_has(record or {}, k)}
+    old = {k: v for k, v in saved.fingerprint().items() if k not in absent}
+    changes = [c for c in config_lib.fingerprint_changes(old, cfg.fingerprint(), absent)
                if c.split(":")[0] not in inputs.PATH_FIELDS]
     passed, changes = config_lib.split_resume_changes(changes, allowed)
     if passed:

@@ -934,3 +934,39 @@ def test_a_changed_field_that_trained_nothing_says_so_in_the_row(tmp_path):
   assert row["optim.actor_lr"] == 0.01
   assert row["status"] == ("ok (finished earlier; the changed optim.actor_lr trained no "
                            "iteration)"), row
+
+
+def test_a_sweep_compares_a_checkpoint_from_before_model_normalize_with_its_raw_scores(tmp_path):
+  """A run's config.json from before reward.model_normalize (its reward model scored raw):
+  train_ppo compares it with 'off' (loop.ran_before_fields) and refuses the default 'auto' with
+  a reward model holding OpenRLHF's mean and std; the sweep's own check filled in the default,
+  found no change and launched the run to fail as it started. Refused before anything runs;
+  --config.reward.model_normalize=off (how such a run continues) passes."""
+  import shutil
+  rm = tmp_path / "rm"
+  shutil.copytree(os.path.join(REPO, "tests", "fixtures", "tiny_qwen2"), rm)
+  hf = json.loads((rm / "config.json").read_text())
+  hf.update(architectures=["RewardModel"], value_head_prefix="value_head", mean=2.5, std=0.5)
+  (rm / "config.json").write_text(json.dumps(hf))
+  config = _tiny_train_sweep(tmp_path, "[{'name': 'a', 'seed': 0, 'reward.kind': 'model', "
+                                       f"'reward.model_checkpoint': {str(rm)!r}}}]")
+  run = tmp_path / "sw" / "a"
+  (run / "checkpoints" / "4").mkdir(parents=True)
+  script = ("import json, sys\nfrom configs import ppo_tiny\nc = ppo_tiny.get_config()\n"
+            "c.seed = 0\nc.reward.kind = 'model'\nc.reward.model_checkpoint = sys.argv[2]\n"
+            "d = c.to_dict()\nd['reward'].pop('model_normalize')\n"
+            "open(sys.argv[1], 'w').write(json.dumps(d))\n")
+  made = subprocess.run([sys.executable, "-c", script, str(run / "config.json"), str(rm)],
+                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+  assert made.returncode == 0, made.stderr[-3000:]
+
+  def sweep(*flags):
+    return _run(["experiments.sweep", f"--config={config}", "--binary=train_ppo",
+                 f"--workdir={tmp_path / 'sw'}", "--dry_run", *flags])
+  refused = sweep()
+  assert refused.returncode == 1, refused.stderr[-3000:]
+  assert ("get_sweep()[0] (a): its checkpoints (iteration 4; " in refused.stderr and
+          "reward.model_normalize: (absent: ran as 'off') -> 'auto'" in refused.stderr), \
+      refused.stderr[-3000:]
+  off = sweep("--config.reward.model_normalize=off")
+  assert off.returncode == 0, off.stderr[-3000:]
