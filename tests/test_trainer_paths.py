@@ -323,20 +323,26 @@ def test_reward_model_scores_the_serial_rollout_as_the_fused_one(reward_files, f
   assert history[0]["reward/model_mean"] == pytest.approx(float(np.mean(want)), abs=1e-6)
 
 
+def _with_reward_stats(src, rm, mean: float, std: float):
+  """A copy at `rm` of the reward model at `src` whose config.json holds OpenRLHF's reward
+  statistics `mean` and `std` (its reward-model trainer's)."""
+  shutil.copytree(src, rm)
+  with open(rm / "config.json") as fh:
+    hf = json.load(fh)
+  hf.update(mean=mean, std=std)
+  with open(rm / "config.json", "w") as fh:
+    json.dump(hf, fh)
+  return rm
+
+
 def test_openrlhf_reward_statistics_normalise_the_fused_rollouts_scores(reward_files, tmp_path):
   """A reward model whose config.json holds OpenRLHF's `mean` and `std` (its reward-model
   trainer's): the fused run's rewards are (score - mean) / std plus the length penalty (they
   were the raw scores, on another scale than OpenRLHF's PPO with --normalize_reward), the
   scores read on the freed instances after the weights moved there."""
   f = reward_files
-  rm = tmp_path / "rm"
-  shutil.copytree(f["ckpt"], rm)
-  with open(rm / "config.json") as fh:
-    hf = json.load(fh)
   mean, std = 0.75, 0.25
-  hf.update(mean=mean, std=std)
-  with open(rm / "config.json", "w") as fh:
-    json.dump(hf, fh)
+  rm = _with_reward_stats(f["ckpt"], tmp_path / "rm", mean, std)
   cfg = _reward_run_config(f["prompts"], rm, num_iterations=1, **{
       "fusion.inter_stage": True, "fusion.migration_threshold": "1.0"})
   trainer = PPOTrainer(cfg, str(tmp_path / "run"), mesh=_mesh4())
@@ -359,14 +365,8 @@ def test_a_critic_from_an_openrlhf_reward_model_starts_on_the_normalised_scale(r
   (OpenRLHF's default critic): with the rewards normalised its values start as
   (value - mean) / std, as OpenRLHF's critic under --normalize_reward (read raw, they started
   on another scale than the returns); with reward.model_normalize='off' raw, as before."""
-  rm = tmp_path / "rm"
-  shutil.copytree(reward_files["ckpt"], rm)
-  with open(rm / "config.json") as fh:
-    hf = json.load(fh)
   mean, std = 0.75, 0.25
-  hf.update(mean=mean, std=std)
-  with open(rm / "config.json", "w") as fh:
-    json.dump(hf, fh)
+  rm = _with_reward_stats(reward_files["ckpt"], tmp_path / "rm", mean, std)
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1), jax.devices()[:1])
   tokens = np.array([[1, 5, 7, 9, 11, 3]], np.int32)
   values = {}
