@@ -123,7 +123,11 @@ def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path):
       "interrupted by Ctrl-C")[1], err[-3000:]
   with open(os.path.join(wd, "log.txt")) as f:
     assert "KeyboardInterrupt" in f.read()
-  assert 2 in [int(d) for d in os.listdir(os.path.join(wd, "checkpoints")) if d.isdigit()]
+  # The earlier checkpoints stay: which ones depends on how many iterations ran before the
+  # presses were handled (it asserted checkpoint 2, which retention removes once a run on a
+  # quiet machine reaches iteration 6 first: 2 of 5 runs alone).
+  ckpts = sorted(int(d) for d in os.listdir(os.path.join(wd, "checkpoints")) if d.isdigit())
+  assert ckpts and ckpts[-1] <= _steps(wd)[-1], (ckpts, _steps(wd))
 
 
 def test_a_signal_during_set_up_exits_with_the_stopped_status(tmp_path):
