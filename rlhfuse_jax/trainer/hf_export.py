@@ -148,6 +148,15 @@ def _write_tokenizer_config(tokenizer: HFTokenizer, out: str) -> None:
     backend.save(path)
 
 
+def _names_ids(eos: Any, stops: list) -> bool:
+  """Whether an `eos_token_id` entry (an id or a list of them) names exactly the ids `stops`.
+  A value that is not token ids (a null in the list, a token's text) names none: sorted with
+  the ids it failed the export with a TypeError."""
+  ids = eos if isinstance(eos, list) else [eos]
+  return (all(isinstance(i, int) and not isinstance(i, bool) for i in ids) and
+          sorted(ids) == sorted(stops))
+
+
 def _write_generation_eos(tokenizer: Optional[Tokenizer], out: str) -> None:
   """A generation_config.json whose eos_token_id is every id the run's responses ended on:
   written where the export has none and its config.json names other ids (the source
@@ -165,12 +174,8 @@ def _write_generation_eos(tokenizer: Optional[Tokenizer], out: str) -> None:
     config = wd.read_json_object(path, ValueError,
                                  f"not a valid {tokenizer_lib.GENERATION_CONFIG}")
     eos = config.get("eos_token_id")
-    ids = eos if isinstance(eos, list) else [eos]
-    # (a value that is not token ids, a null in the list, is replaced too: sorted with the ids
-    # it failed the export with a TypeError; init.critic_checkpoint's file, copied for the
-    # critic's export, is read nowhere before)
-    if all(isinstance(i, int) and not isinstance(i, bool) for i in ids) and (
-        sorted(ids) == sorted(stops)):
+    # (init.critic_checkpoint's file, copied for the critic's export, is read nowhere before)
+    if _names_ids(eos, stops):
       return
     logging.warning("the export's %s names eos_token_id=%s, where the run's responses ended on "
                     "%s: written as the run's (transformers' generate() stops on it)",
@@ -181,7 +186,7 @@ def _write_generation_eos(tokenizer: Optional[Tokenizer], out: str) -> None:
     return
   with open(os.path.join(out, "config.json")) as f:
     eos = json.load(f).get("eos_token_id")
-  if sorted(eos if isinstance(eos, list) else [eos]) == sorted(stops):
+  if _names_ids(eos, stops):
     return
   with open(path, "w") as f:
     json.dump({"bos_token_id": tokenizer.bos_id, "eos_token_id": stops,
