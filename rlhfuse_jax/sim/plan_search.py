@@ -384,8 +384,8 @@ def rescore_rows(cost: CostModel, wl, opt, train: dict, kept: dict) -> list[dict
                                 train["critic_pp"], wl.micro_batch)
     layouts = {"actor": (train["tp"], train["actor_pp"], tplan.dp),
                "critic": (train["tp"], train["critic_pp"], tplan.dp * tplan.critic_replicas)}
-    shared = sum(_model_state(cost, s, *layouts[r], state_opt)
-                 for r, s in (("actor", wl.actor), ("critic", wl.critic)))
+    from rlhfuse_jax.sim import iteration_sim as it
+    shared = it.colocated_state_bytes(cost, wl, state_opt, tplan)
     state = {"actor": shared, "critic": shared}
     # the Scorer runs on the training mesh: its data axis (tp x actor_pp x dp) for both
     data = {"actor": tplan.dp, "critic": tplan.dp}
