@@ -262,12 +262,10 @@ def _same_prompts_file(data: Mapping[str, Any], path: str) -> Optional[bool]:
   other content where the path is the same."""
   was = data.get(PROMPTS_DIGEST)
   now = prompts_digest(path) if isinstance(was, str) else None
-  if now is not None:
-    if was == now:
-      return True
-    return None if os.path.realpath(str(data["prompts_file"])) == os.path.realpath(path) \
-        else False
-  return os.path.realpath(str(data["prompts_file"])) == os.path.realpath(path)
+  if now is not None and was == now:
+    return True
+  same_path = os.path.realpath(str(data["prompts_file"])) == os.path.realpath(path)
+  return None if same_path and now is not None else same_path
 
 
 def _length_differences(lengths: Mapping[str, Any], cfg: Any) -> list[str]:
