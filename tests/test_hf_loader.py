@@ -864,6 +864,24 @@ def test_openrlhf_s_value_head_prefix_names_the_head(tmp_path):
       hf_loader.load_hf_params(odd, hf_loader.load_hf_config(odd))
 
 
+def test_a_scalar_head_load_reads_config_json_once(tmp_path, monkeypatch):
+  """The loader reads the checkpoint's value_head_prefix from its config.json once per load:
+  _load and _value_head each read the file again (two reads of every reward model or critic)."""
+  def add_head(t):
+    t["reward_head.weight"] = t["model.embed_tokens.weight"][7:8].copy()
+  ckpt = _copy(QWEN2, str(tmp_path / "rm"), edit_tensors=add_head,
+               edit_config=lambda c: c.update(architectures=["RewardModel"],
+                                              value_head_prefix="reward_head"))
+  cfg = hf_loader.load_hf_config(ckpt)
+  reads = []
+  read_json = hf_loader.hf_config.read_json
+  monkeypatch.setattr(hf_loader.hf_config, "read_json",
+                      lambda path: reads.append(os.path.basename(path)) or read_json(path))
+  params = hf_loader.load_hf_params(ckpt, cfg)
+  assert reads == ["config.json"]
+  np.testing.assert_array_equal(
+      params["head"]["value_head"][:, 0], params["embed"]["embedding"][7])
+
 def test_bf16_checkpoint_close_to_fp32(tmp_path):
   def to_bf16(t):
     for name in t:

@@ -345,8 +345,8 @@ def _load(ckpt: _Checkpoint, cfg: llama.ModelConfig, np_dtype, rng) -> Any:
   expected = _expected_shapes(cfg)
   names = ckpt.names()
   optional = set()  # present-or-not tensors we know how to use or safely skip
+  own = own_head_prefix(ckpt.dir) if cfg.head == "scalar" else None
   if cfg.head == "scalar":
-    own = own_head_prefix(ckpt.dir)
     optional |= SCALAR_HEAD_TENSORS | {"lm_head.weight"} | (
         {f"{own}.weight", f"{own}.bias"} if own else set())
   elif cfg.tie_embeddings:
@@ -382,7 +382,7 @@ def _load(ckpt: _Checkpoint, cfg: llama.ModelConfig, np_dtype, rng) -> Any:
       raise ValueError(f"{ckpt.dir}: tie_word_embeddings=true but lm_head.weight differs from "
                        "model.embed_tokens.weight; set tie_word_embeddings=false in config.json")
   if cfg.head == "scalar":
-    flat.update(_value_head(ckpt, cfg, expected, np_dtype, rng))
+    flat.update(_value_head(ckpt, cfg, expected, np_dtype, rng, own))
   return flax.traverse_util.unflatten_dict(flat)
 
 
@@ -422,10 +422,11 @@ def scalar_head_prefix(names, own: Optional[str] = None) -> Optional[str]:
   return next(iter(scalar_heads(names, own)), None)
 
 
-def _value_head(ckpt: _Checkpoint, cfg: llama.ModelConfig, expected, np_dtype, rng):
+def _value_head(ckpt: _Checkpoint, cfg: llama.ModelConfig, expected, np_dtype, rng,
+                own: Optional[str]):
+  """The scalar head's tensors; `own`: own_head_prefix(ckpt.dir), read once by _load."""
   w_path, b_path = ("head", "value_head"), ("head", "value_bias")
   names = ckpt.names()
-  own = own_head_prefix(ckpt.dir)
   heads = scalar_heads(names, own)
   prefix = heads[0] if heads else None
   # Two heads, or a bias beside another prefix's weight: which one a writer meant is unknown
