@@ -109,15 +109,24 @@ def token_logprobs(logits, targets, temperature: float = 1.0):
   return (hit - top) - lse
 
 
+def _response_logits(cfg: ModelConfig, params: Any, tokens, prompt_lens, num_response: int,
+                     caller: str):
+  """(logits [B, T, V], targets [B, T]) at the response positions of an LM-head model; a
+  scalar head refused naming `caller`."""
+  if cfg.head != "lm":
+    raise ValueError(f"{caller} needs model.head='lm', got {cfg.head!r}")
+  pos = response_positions(prompt_lens, num_response)  # [B, T]
+  logits, _ = forward_at(cfg, params, tokens, pos)
+  return logits, response_targets(tokens, pos)
+
+
 def response_logprobs(cfg: ModelConfig, params: Any, tokens, prompt_lens, num_response: int,
                       temperature: float = 1.0):
   """response_logprobs_and_entropy's log-probs [B, T] alone (`token_logprobs`): the scoring
   forward's (inference/scoring.response_logprobs)."""
-  if cfg.head != "lm":
-    raise ValueError(f"response_logprobs needs model.head='lm', got {cfg.head!r}")
-  pos = response_positions(prompt_lens, num_response)  # [B, T]
-  logits, _ = forward_at(cfg, params, tokens, pos)  # [B, T, V]
-  return token_logprobs(logits, response_targets(tokens, pos), temperature)
+  logits, targets = _response_logits(cfg, params, tokens, prompt_lens, num_response,
+                                     "response_logprobs")
+  return token_logprobs(logits, targets, temperature)
 
 
 def response_logprobs_and_entropy(cfg: ModelConfig, params: Any, tokens, prompt_lens,
@@ -128,11 +137,8 @@ def response_logprobs_and_entropy(cfg: ModelConfig, params: Any, tokens, prompt_
   Returns (logprobs [B, T], entropy [B, T]) in float32 of softmax(logits / temperature).
   Entries past a row's response length are meaningless (mask them with response_mask).
   """
-  if cfg.head != "lm":
-    raise ValueError(f"response_logprobs_and_entropy needs model.head='lm', got {cfg.head!r}")
-  pos = response_positions(prompt_lens, num_response)  # [B, T]
-  logits, _ = forward_at(cfg, params, tokens, pos)  # [B, T, V]
-  targets = response_targets(tokens, pos)  # [B, T]
+  logits, targets = _response_logits(cfg, params, tokens, prompt_lens, num_response,
+                                     "response_logprobs_and_entropy")
   return token_logprobs_and_entropy(logits, targets, temperature)
 
 
