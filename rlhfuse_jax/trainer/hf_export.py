@@ -7,7 +7,6 @@ is written as a *ForSequenceClassification (hf_loader.save_hf_checkpoint: `score
 """
 from __future__ import annotations
 
-import codecs
 import json
 import os
 import shutil
@@ -103,9 +102,10 @@ def _copy_tokenizer(cfg: TrainConfig, tokenizer: Optional[Tokenizer], out: str) 
     if os.path.isfile(copied):
       with open(copied, "rb") as f:
         data = f.read()
-      if data.startswith(codecs.BOM_UTF8):
+      bom = chat_lib.BOM.encode("utf-8")
+      if data.startswith(bom):
         with open(copied, "wb") as f:
-          f.write(data[len(codecs.BOM_UTF8):])
+          f.write(data[len(bom):])
   elif isinstance(tokenizer, HFTokenizer):
     tokenizer.backend.save(os.path.join(out, "tokenizer.json"))
   if isinstance(tokenizer, HFTokenizer) and not os.path.isfile(
