@@ -52,10 +52,8 @@ def _critic_free_unused(cfg: TrainConfig) -> list[str]:
   # baseline, found unwarned); a critic-free estimator that takes lam (a lambda-return) was
   # warned of as ignoring it.
   inputs = adv_lib.get_estimator(cfg.algo.estimator).inputs
-  algo = [f for f in ("lam", "vf_coef", "value_clip_eps", "whiten_advantages")
+  algo = [f for f in ("lam", "vf_coef", "value_clip_eps", "whiten_advantages", "gamma")
           if f not in inputs]
-  if "gamma" not in inputs:
-    algo.append("gamma")
   return set_fields(cfg, "algo", algo) + set_fields(cfg, "init", ["critic_checkpoint"])
 
 
