@@ -796,13 +796,36 @@ def _tiny_train_sweep(tmp_path, entries: str):
   return path
 
 
+def _checkpointed_run(tmp_path, setup: str, drop=()) -> None:
+  """tmp_path/sw/a as a finished train_ppo run leaves it: a checkpoint dir (iteration 4) and the
+  config.json of configs/ppo_tiny.py's config at seed 0 after `setup` (statements on `c`),
+  without the dotted fields `drop` (a record written before they existed)."""
+  run = tmp_path / "sw" / "a"
+  (run / "checkpoints" / "4").mkdir(parents=True)
+  script = ("import json, sys\nfrom configs import ppo_tiny\nc = ppo_tiny.get_config()\n"
+            f"c.seed = 0\n{setup}open(sys.argv[1], 'w').write(json.dumps(c.to_dict()))\n")
+  made = subprocess.run([sys.executable, "-c", script, str(run / "config.json")],
+                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+  assert made.returncode == 0, made.stderr[-3000:]
+  record = json.loads((run / "config.json").read_text())
+  for field in drop:
+    section, key = field.split(".")
+    record[section].pop(key)
+  (run / "config.json").write_text(json.dumps(record))
+
+
+def _dry_run_sweep(config, tmp_path, *flags):
+  """experiments.sweep --dry_run of train_ppo sweep `config` in tmp_path/sw, with `flags`."""
+  return _run(["experiments.sweep", f"--config={config}", "--binary=train_ppo",
+               f"--workdir={tmp_path / 'sw'}", "--dry_run", *flags])
+
+
 def test_a_train_ppo_runs_invalid_config_fails_the_sweep_before_any_run(tmp_path):
   """algo.minibatch_size=5 (no divisor of the batch) failed its run after the earlier runs had
   trained: the sweep checks every run's config as train_ppo does, before anything runs."""
   config = _tiny_train_sweep(tmp_path, "[{'name': 'a', 'seed': 0}, "
                                        "{'name': 'b', 'algo.minibatch_size': 5}]")
-  proc = _run(["experiments.sweep", f"--config={config}", "--binary=train_ppo",
-               f"--workdir={tmp_path / 'sw'}", "--dry_run"])
+  proc = _dry_run_sweep(config, tmp_path)
   assert proc.returncode == 1, proc.stderr[-3000:]
   assert ("get_sweep()[1] (b): config.algo.minibatch_size=5: expected a divisor of the rollout "
           "batch") in proc.stderr, proc.stderr[-3000:]
@@ -815,25 +838,14 @@ def test_a_finished_sweep_re_run_with_a_changed_value_is_refused_before_any_run(
   finished ones. Refused before anything runs, naming the run and the field; the flag the runs'
   own refusal asks for lets it through."""
   config = _tiny_train_sweep(tmp_path, "[{'name': 'a', 'seed': 0}]")
-  run = tmp_path / "sw" / "a"
-  (run / "checkpoints" / "4").mkdir(parents=True)
-  script = ("import json, sys\nfrom configs import ppo_tiny\nc = ppo_tiny.get_config()\n"
-            "c.seed = 0\nc.optim.actor_lr = 0.01\n"
-            "open(sys.argv[1], 'w').write(json.dumps(c.to_dict()))\n")
-  made = subprocess.run([sys.executable, "-c", script, str(run / "config.json")], cwd=REPO,
-                        env=_env(), capture_output=True, text=True, timeout=120)
-  assert made.returncode == 0, made.stderr[-3000:]
-
-  def sweep(*flags):
-    return _run(["experiments.sweep", f"--config={config}", "--binary=train_ppo",
-                 f"--workdir={tmp_path / 'sw'}", "--dry_run", *flags])
-  refused = sweep()
+  _checkpointed_run(tmp_path, "c.optim.actor_lr = 0.01\n")
+  refused = _dry_run_sweep(config, tmp_path)
   assert refused.returncode == 1, refused.stderr[-3000:]
   assert ("get_sweep()[0] (a): its checkpoints (iteration 4; " in refused.stderr and
           "were trained with other values: optim.actor_lr: 0.01 -> 0.003" in refused.stderr and
           "--config.checkpoint.resume_changes=optim.actor_lr" in refused.stderr), \
       refused.stderr[-3000:]
-  allowed = sweep("--config.checkpoint.resume_changes=optim.actor_lr")
+  allowed = _dry_run_sweep(config, tmp_path, "--config.checkpoint.resume_changes=optim.actor_lr")
   assert allowed.returncode == 0, allowed.stderr[-3000:]
 
 
@@ -849,14 +861,7 @@ def test_the_changed_checkpoint_check_reads_a_relative_plan_file_from_the_reposi
       "predicted": {"iteration_s": 1.0}, "summary": "test plan"}))
   rel = os.path.relpath(plan, REPO)
   config = _tiny_train_sweep(tmp_path, f"[{{'name': 'a', 'seed': 0, 'plan.file': {rel!r}}}]")
-  run = tmp_path / "sw" / "a"
-  (run / "checkpoints" / "4").mkdir(parents=True)
-  script = ("import json, sys\nfrom configs import ppo_tiny\nc = ppo_tiny.get_config()\n"
-            f"c.seed = 0\nc.optim.actor_lr = 0.01\nc.plan.file = {rel!r}\n"
-            "open(sys.argv[1], 'w').write(json.dumps(c.to_dict()))\n")
-  made = subprocess.run([sys.executable, "-c", script, str(run / "config.json")], cwd=REPO,
-                        env=_env(), capture_output=True, text=True, timeout=120)
-  assert made.returncode == 0, made.stderr[-3000:]
+  _checkpointed_run(tmp_path, f"c.optim.actor_lr = 0.01\nc.plan.file = {rel!r}\n")
   elsewhere = tmp_path / "elsewhere"
   elsewhere.mkdir()
   refused = subprocess.run(
@@ -950,23 +955,12 @@ def test_a_sweep_compares_a_checkpoint_from_before_model_normalize_with_its_raw_
   (rm / "config.json").write_text(json.dumps(hf))
   config = _tiny_train_sweep(tmp_path, "[{'name': 'a', 'seed': 0, 'reward.kind': 'model', "
                                        f"'reward.model_checkpoint': {str(rm)!r}}}]")
-  run = tmp_path / "sw" / "a"
-  (run / "checkpoints" / "4").mkdir(parents=True)
-  script = ("import json, sys\nfrom configs import ppo_tiny\nc = ppo_tiny.get_config()\n"
-            "c.seed = 0\nc.reward.kind = 'model'\nc.reward.model_checkpoint = sys.argv[2]\n"
-            "d = c.to_dict()\nd['reward'].pop('model_normalize')\n"
-            "open(sys.argv[1], 'w').write(json.dumps(d))\n")
-  made = subprocess.run([sys.executable, "-c", script, str(run / "config.json"), str(rm)],
-                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
-  assert made.returncode == 0, made.stderr[-3000:]
-
-  def sweep(*flags):
-    return _run(["experiments.sweep", f"--config={config}", "--binary=train_ppo",
-                 f"--workdir={tmp_path / 'sw'}", "--dry_run", *flags])
-  refused = sweep()
+  _checkpointed_run(tmp_path, f"c.reward.kind = 'model'\nc.reward.model_checkpoint = {str(rm)!r}\n",
+                    drop=["reward.model_normalize"])
+  refused = _dry_run_sweep(config, tmp_path)
   assert refused.returncode == 1, refused.stderr[-3000:]
   assert ("get_sweep()[0] (a): its checkpoints (iteration 4; " in refused.stderr and
           "reward.model_normalize: (absent: ran as 'off') -> 'auto'" in refused.stderr), \
       refused.stderr[-3000:]
-  off = sweep("--config.reward.model_normalize=off")
+  off = _dry_run_sweep(config, tmp_path, "--config.reward.model_normalize=off")
   assert off.returncode == 0, off.stderr[-3000:]
