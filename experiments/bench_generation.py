@@ -391,10 +391,7 @@ def redraw(workdir: str) -> list[str]:
   if wrote not in (None, "bench_generation"):
     raise ValueError(f"{path}: written by experiments.{wrote}, not experiments.bench_generation")
   if "pipelined" in result:
-    path = os.path.join(workdir, "schedule_pipelined.png")
-    # result.json keeps the table as [stages][ticks]; the plot takes [ticks, stages]
-    plot_tick_table(np.asarray(result["decode_table"]).T, result["groups"], path)
-    return [path]
+    return [plot_schedule(result, workdir)]
   if "timelines" not in result:
     raise ValueError(f"{path}: no `timelines` (a bench_generation result written before "
                      "2026-12-07 does not keep what its PNGs draw)")
@@ -545,8 +542,17 @@ def run_pipelined(c, workdir: str) -> dict:
       "lengths": {"spec": spec.describe(), **lengths_lib.summarize(budgets, g.max_new_tokens)},
       "prompt_lens": plens, "response_lens": out.response_lens,
       "decode_table": out.decode_table.T})
-  plot_tick_table(out.decode_table, groups, os.path.join(workdir, "schedule_pipelined.png"))
+  plot_schedule(result, workdir)
   return result
+
+
+def plot_schedule(result: dict, workdir: str) -> str:
+  """A pipelined run's schedule_pipelined.png, drawn from `result`'s own decode_table and
+  groups (as `redraw` draws it again from result.json); returns its path."""
+  path = os.path.join(workdir, "schedule_pipelined.png")
+  # result keeps the table as [stages][ticks]; the plot takes [ticks, stages]
+  plot_tick_table(np.asarray(result["decode_table"]).T, result["groups"], path)
+  return path
 
 
 def log_pipelined(result: dict, workdir: str) -> None:
