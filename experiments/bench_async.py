@@ -232,10 +232,7 @@ def redraw(workdir: str) -> str:
   """WORKDIR/curves.png drawn again from WORKDIR/result.json alone (not the runs' metrics);
   returns its path."""
   path = os.path.join(workdir, "result.json")
-  result = wd.read_json_object(path)
-  wrote = wd.written_by(result)
-  if wrote not in (None, "bench_async"):
-    raise ValueError(f"{path}: written by experiments.{wrote}, not experiments.bench_async")
+  result = wd.read_result(workdir, "bench_async")
   if not result.get("curves"):
     raise ValueError(f"{path}: no `curves` (no config had all its runs finish, or a "
                      "bench_async result written before 2026-12-07, which did not keep them)")

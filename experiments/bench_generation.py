@@ -386,10 +386,7 @@ def redraw(workdir: str) -> list[str]:
   """The PNGs of a finished run in `workdir`, drawn again from its result.json alone (the
   timelines; a pipelined run's schedule_pipelined.png). Returns the paths written."""
   path = os.path.join(workdir, "result.json")
-  result = wd.read_json_object(path)
-  wrote = wd.written_by(result)
-  if wrote not in (None, "bench_generation"):
-    raise ValueError(f"{path}: written by experiments.{wrote}, not experiments.bench_generation")
+  result = wd.read_result(workdir, "bench_generation")
   if "pipelined" in result:
     return [plot_schedule(result, workdir)]
   if "timelines" not in result:

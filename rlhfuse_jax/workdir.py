@@ -140,6 +140,17 @@ def written_by(result: Any) -> Optional[str]:
   return found.group(1) if found else None
 
 
+def read_result(workdir: str, binary: str) -> dict:
+  """workdir/result.json of experiments.`binary`, refused (a ValueError naming the file) when
+  another experiments binary wrote it: what a redraw of a kept result reads."""
+  path = os.path.join(workdir, "result.json")
+  result = read_json_object(path)
+  wrote = written_by(result)
+  if wrote not in (None, binary):
+    raise ValueError(f"{path}: written by experiments.{wrote}, not experiments.{binary}")
+  return result
+
+
 def workdir_writer(workdir: str) -> Optional[str]:
   """written_by of workdir/result.json; None without one, or when it does not read (a run's
   own torn result, rewritten at its end)."""
