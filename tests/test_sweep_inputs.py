@@ -964,3 +964,22 @@ def test_a_sweep_compares_a_checkpoint_from_before_model_normalize_with_its_raw_
       refused.stderr[-3000:]
   off = _dry_run_sweep(config, tmp_path, "--config.reward.model_normalize=off")
   assert off.returncode == 0, off.stderr[-3000:]
+
+
+def test_a_sweep_resumes_a_checkpoint_from_before_clip_range_and_names_a_new_clamp(tmp_path):
+  """A run's config.json from before reward.clip_range ran unclamped, the default: the sweep
+  lets it through at the default, refuses a clamp as that change before anything runs, and
+  passes it once checkpoint.resume_changes names the field (as train_ppo's own check)."""
+  config = _tiny_train_sweep(tmp_path, "[{'name': 'a', 'seed': 0}]")
+  _checkpointed_run(tmp_path, "", drop=["reward.clip_range"])
+  same = _dry_run_sweep(config, tmp_path)
+  assert same.returncode == 0, same.stderr[-3000:]
+  refused = _dry_run_sweep(config, tmp_path, "--config.reward.clip_range=-10,10")
+  assert refused.returncode == 1, refused.stderr[-3000:]
+  assert ("get_sweep()[0] (a): its checkpoints (iteration 4; " in refused.stderr and
+          "reward.clip_range: '' -> '-10.0,10.0'" in refused.stderr and
+          "--config.checkpoint.resume_changes=reward.clip_range" in refused.stderr), \
+      refused.stderr[-3000:]
+  named = _dry_run_sweep(config, tmp_path, "--config.reward.clip_range=-10,10",
+                         "--config.checkpoint.resume_changes=reward.clip_range")
+  assert named.returncode == 0, named.stderr[-3000:]

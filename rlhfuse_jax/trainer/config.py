@@ -381,6 +381,12 @@ class RewardConfig:
   # the raw score), "on" (config.json must hold them), "off" (the raw score). The run logs
   # which (trainer/build.reward_normalization).
   model_normalize: str = "auto"
+  # OpenRLHF's --reward_clip_range: each sample's reward (the model's score after
+  # model_normalize, plus any format term) clamped to (low, high) before the KL penalty and any
+  # group baseline, for every estimator; the metrics' reward/* stay the unclamped rewards and
+  # reward/clipped_frac counts the clamped share: "low,high" ("-10,10", OpenRLHF's default), or
+  # "" (off).
+  clip_range: str = ""
 
   @property
   def uses_model(self) -> bool:
@@ -397,6 +403,7 @@ class RewardConfig:
     _check(self.model_normalize != "on" or self.kind == "model", "reward.model_normalize",
            self.model_normalize, "'auto' or 'off' when reward.kind='function' (it normalises a "
            "reward model's scores)")
+    self._check_clip_range()
     _check(self.format != "task", "reward.format", self.format,
            "a reward function name or import path (the task's verifier is reward.function)")
     _check(math.isfinite(self.format_weight)
@@ -409,6 +416,32 @@ class RewardConfig:
            self.stats, "comma-separated reward function names or import paths with distinct "
            "function names (the task's verifier is reward.function)" +
            (f"; {', '.join(repeated)} named twice" if repeated else ""))
+
+  @property
+  def clip_bounds(self) -> Optional[tuple[float, float]]:
+    """clip_range as (low, high) floats; None when off ("")."""
+    if not self.clip_range:
+      return None
+    low, high = (float(v) for v in self.clip_range.split(","))
+    return low, high
+
+  def _check_clip_range(self) -> None:
+    """Checked, then written as repr(low),repr(high) ("-10.0,10.0"): "(-10, 10)" and "-10,10"
+    fingerprint alike. A string, as reward.stats: a ConfigDict's tuple default reads back from
+    defaults() and config.json as a list, which no --config flag can override."""
+    expected = ('"" (off) or "low,high": two finite numbers within float32\'s range, low < '
+                'high (OpenRLHF\'s --reward_clip_range, e.g. "-10,10")')
+    _check(isinstance(self.clip_range, str), "reward.clip_range", self.clip_range, expected)
+    text = self.clip_range.strip(" ()[]")
+    parts = text.split(",") if text else []
+    try:
+      bounds = [float(v) for v in parts]
+    except ValueError:
+      bounds = []
+    ok = not parts or (len(bounds) == 2 and bounds[0] < bounds[1] and all(
+        math.isfinite(v) and abs(v) <= rewards_lib.FLOAT32_MAX for v in bounds))
+    _check(ok, "reward.clip_range", self.clip_range, expected)
+    object.__setattr__(self, "clip_range", ",".join(repr(v) for v in bounds))
 
   @property
   def stat_specs(self) -> list[str]:
@@ -862,6 +895,9 @@ RESUME_CHANGEABLE = frozenset({
     # same state, a reward of another scale from then on, as a changed kl_coef is a deliberate
     # change of the objective.
     "reward.model_normalize",
+    # The reward's clamp (OpenRLHF's --reward_clip_range): the same state, rewards bounded
+    # otherwise from then on.
+    "reward.clip_range",
 })
 
 

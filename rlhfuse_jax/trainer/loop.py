@@ -143,6 +143,21 @@ def sample_rows(gen: async_lib.Generated, tokenizer: Any, k: int,
   return rows
 
 
+def clipped_scores(scores: np.ndarray, bounds: Optional[tuple[float, float]]
+                   ) -> tuple[np.ndarray, dict]:
+  """(scores [B] float32 clamped to `bounds` (config.reward.clip_bounds), {"reward/clipped_frac":
+  the share of samples clamped}): OpenRLHF's --reward_clip_range, applied to the rewards before
+  the KL penalty and any group baseline (trainer/ppo.advantages_and_returns), so every
+  estimator trains on them. None: the scores as they are, no metric. A NaN reward stays NaN (the
+  guard names it) and is not counted."""
+  if bounds is None:
+    return scores, {}
+  scores = np.asarray(scores, np.float32)
+  low, high = np.float32(bounds[0]), np.float32(bounds[1])
+  outside = (scores < low) | (scores > high)  # [B]
+  return np.clip(scores, low, high), {"reward/clipped_frac": float(np.mean(outside))}
+
+
 def ran_before_fields(cfg: TrainConfig) -> dict[str, Any]:
   """{field: the value a run had before the field existed} for the fields added since whose
   default changes what this run computes: a checkpoint written before one of them is compared
@@ -859,10 +874,12 @@ class PPOTrainer:
     mask = _response_mask(gen, self.cfg.rollout.max_new_tokens)  # [B, T]
     # No reference log-probs (algo.kl_coef=0): the statistics leave out kl/*, the update its KL.
     ref_logp = None if gen.ref_logp is None else self._put(gen.ref_logp)
+    scores, clip_stats = clipped_scores(gen.scores, self.cfg.reward.clip_bounds)
     adv, ret, stats = ppo.rollout_statistics(
-        self.cfg.algo, self.cfg.rollout.samples_per_prompt, self._put(gen.scores),
+        self.cfg.algo, self.cfg.rollout.samples_per_prompt, self._put(scores),
         self._put(mask), self._put(gen.logprobs), ref_logp, self._put(gen.values))
     adv, ret, stats = mesh_lib.to_host((adv, ret, stats))  # one read of all three
+    stats = {**stats, **clip_stats}
     data = {"tokens": gen.tokens, "prompt_lens": gen.prompt_lens, "mask": mask,
             "old_logp": gen.logprobs, "advantages": adv, "returns": ret,
             "old_values": gen.values}
@@ -1118,8 +1135,10 @@ class PPOTrainer:
     self._raise_if_nonfinite(iteration, parts)
     # Finite rewards too large to square: the critic's loss overflows, or the gradient norm of
     # an estimator that does not normalise (reward_square_limit): stop here, before any update.
+    # Those config.reward.clip_range clamps are what trains.
     limit = reward_square_limit(len(gen.scores), self.cfg.rollout.max_new_tokens)
-    if np.any(np.abs(np.asarray(gen.scores, np.float64)) > limit):
+    trained = clipped_scores(gen.scores, self.cfg.reward.clip_bounds)[0]
+    if np.any(np.abs(np.asarray(trained, np.float64)) > limit):
       raise self._nonfinite(iteration, "the rollout's rewards overflow float32 once squared, "
                             "before any update", scores=gen.scores)
 
