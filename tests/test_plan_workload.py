@@ -251,6 +251,38 @@ def test_a_plan_file_without_lengths_loads_and_says_it_cannot_check_them(tmp_pat
       "prompt and response lengths"]
 
 
+def test_a_paper_pairs_plan_says_its_lengths_are_not_compared(tmp_path):
+  """plan_search without a train_config (a paper pair) records the simulator's own length
+  distributions and no run's "data": train_ppo's set-up with such a plan.json stopped with
+  KeyError: 'data'. Its lengths cannot be compared with a run's: the note says so, as neither
+  a warning of a difference nor a silent pass."""
+  from rlhfuse_jax.sim.shapes import get_shape
+  cfg, record = _tiny_run_and_record(tmp_path)
+  pair = plan_search.workload_record(iteration_sim.Workload(
+      actor=get_shape("llama-13b"), critic=get_shape("llama-13b", "scalar")))
+  assert "data" not in pair["lengths"] and "train_config" not in pair
+  said = ("was searched with the simulator's own prompt and response lengths (prompt "
+          "lognormal(median=256, sigma=0.5, clip [16, 1024]), response lognormal(median=256, "
+          "sigma=0.8, clip [1, 1024])), which no field of a run stands for: not compared with "
+          "this run's")
+  path = _plan_file(tmp_path, pair)
+  warn, line = plan_file_lib.plan_workload_note(path, cfg)
+  assert warn and line.startswith(
+      f"config.plan.file={path!r} was searched for actor num_layers=40 (this run has 2)"), line
+  assert line.endswith(f"; the file {said}") and "lengths.data" not in line, line
+  assert "records no" not in line
+  # the same workload as the run's but for the lengths: said, not warned of
+  same = {k: v for k, v in record.items() if k not in (
+      "train_config", "inference_micro_batch", "migration_rows", "master_weights",
+      "offload_optimizer")}
+  path = _plan_file(tmp_path, {**same, "lengths": pair["lengths"]})
+  assert plan_file_lib.plan_workload_unrecorded(plan_file_lib.load_plan_file(path)) == []
+  assert plan_file_lib.plan_workload_note(path, cfg) == (False, f"config.plan.file={path!r} "
+                                                                f"{said}")
+  # a run's plan (its lengths' data recorded) says nothing of the kind
+  assert plan_file_lib.simulator_lengths_note({"workload": record}) == ""
+
+
 def test_train_ppo_warns_of_a_plan_for_another_mlp_width(tmp_path):
   """The reproduction: plan_search for ppo_tiny, then train_ppo with that plan and
   --config.model.intermediate_size=256 (or --config.data.length_dist=lognormal) ran without a

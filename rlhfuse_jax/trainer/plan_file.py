@@ -406,13 +406,32 @@ def plan_workload_unrecorded(plan: Mapping[str, Any]) -> list[str]:
   fields = " (data." + ", data.".join(LENGTH_DATA_FIELDS) + ")" if "train_config" in w else ""
   if not isinstance(lengths, Mapping):
     out.append("prompt and response lengths" + fields)
-  elif fields and not isinstance(lengths.get("data"), Mapping):
-    out.append("data fields of its lengths" + fields)
+  elif not isinstance(lengths.get("data"), Mapping):
+    if fields:  # (a paper pair's has none to record: simulator_lengths_note says so)
+      out.append("data fields of its lengths" + fields)
   elif lengths["data"].get("prompts_file") and PROMPTS_DIGEST not in lengths["data"]:
     # (since 2026-12-07: its prompts file is then compared by path alone)
     out.append("content digest of its prompts file (its data.prompts_file is compared by "
                "path)")
   return out
+
+
+def simulator_lengths_note(plan: Mapping[str, Any]) -> str:
+  """What the plan file's workload says of lengths that no field of a run stands for: a paper
+  pair's (plan_search without a train_config samples the simulator's config.prompt and
+  config.response: plan.json's lengths have their specs and no "data"), which are therefore not
+  compared; "" for any other workload. Until 2026-12-07 such a file stopped train_ppo's set-up
+  with KeyError: 'data', and had it not, its lengths would have passed without a word."""
+  w = plan.get("workload")
+  lengths = w.get("lengths") if isinstance(w, Mapping) else None
+  if (not isinstance(lengths, Mapping) or "train_config" in w or
+      isinstance(lengths.get("data"), Mapping)):
+    return ""
+  specs = [f"{k} {lengths[k]['spec']}" for k in ("prompt", "response")
+           if isinstance(lengths.get(k), Mapping) and "spec" in lengths[k]]
+  return ("was searched with the simulator's own prompt and response lengths" +
+          (f" ({', '.join(specs)})" if specs else "") + ", which no field of a run stands for: "
+          "not compared with this run's")
 
 
 def plan_workload_note(path: str, cfg: Any,
@@ -428,9 +447,12 @@ def plan_workload_note(path: str, cfg: Any,
     return False, (f"config.plan.file={path!r} records no workload (a plan.json written before "
                    "plan_search recorded one): not compared with this run's")
   lacking = plan_workload_unrecorded(plan)
-  # (said once, after the differences: an old file's fields that cannot be checked)
-  unchecked = (f"records no {', '.join(lacking)} (a plan.json written before plan_search "
-               "recorded them): those are not compared with this run's") if lacking else ""
+  # (said once, after the differences: an old file's fields that cannot be checked, a paper
+  # pair's lengths that no run field stands for)
+  unchecked = "; it ".join(x for x in (
+      (f"records no {', '.join(lacking)} (a plan.json written before plan_search recorded "
+       "them): those are not compared with this run's") if lacking else "",
+      simulator_lengths_note(plan)) if x)
   if not diffs:
     return (False, f"config.plan.file={path!r} {unchecked}") if unchecked else None
   spec = plan["workload"].get("train_config")
