@@ -1,17 +1,22 @@
 """plan.json's "workload" against the run that uses the plan (trainer/plan_file.py
 plan_workload_note): every model field the simulator's times and memory rest on is recorded
 and compared, and a file from before a field was recorded says once what it cannot check."""
+import collections
 import dataclasses
 import json
 import os
 import subprocess
 import sys
 
+import pytest
+
 from configs import ppo_tiny
 from rlhfuse_jax.sim import iteration_sim, plan_search
 from rlhfuse_jax.trainer import build, sim_plan
+from rlhfuse_jax.trainer import inputs as inputs_lib
 from rlhfuse_jax.trainer import plan_file as plan_file_lib
 from rlhfuse_jax.trainer.config import TrainConfig
+from rlhfuse_jax.trainer.loop import PPOTrainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The actor's and critic's fields plan.json recorded before 2026-12-06.
@@ -220,6 +225,27 @@ def test_a_prompts_file_is_compared_by_content_then_by_resolved_path(tmp_path, m
           "lengths.data.prompts_file='p.jsonl' (this run's data.prompts_file is 'q.jsonl')"]
   assert "content digest of its prompts file (its data.prompts_file is compared by path)" in \
       plan_file_lib.plan_workload_unrecorded(old)
+
+
+def test_the_set_up_hashes_the_prompts_file_once(tmp_path, monkeypatch):
+  """A plan.json that records its prompts file's digest made train_ppo's set-up hash the file
+  twice: once for the resume check (trainer/inputs.fingerprints), once more to compare it with
+  the plan's. The comparison takes the resume check's digest. (A top_k the trainer's checks
+  refuse stops the set-up after the comparison, before anything is built.)"""
+  prompts = tmp_path / "p.jsonl"
+  prompts.write_text('{"prompt": "a b c"}\n')
+  c = ppo_tiny.get_config()
+  c.data.prompts_file, c.rollout.top_k = str(prompts), 100000
+  data = plan_file_lib.run_length_inputs(TrainConfig.from_config_dict(c))
+  assert data["prompts_file"] == str(prompts) and len(data["prompts_digest"]) == 64
+  c.plan.file = _plan_file(tmp_path, {"train_config": "c.py", "lengths": {"data": data}})
+  cfg = TrainConfig.from_config_dict(c)
+  hashed, digest = collections.Counter(), inputs_lib._file_digest
+  monkeypatch.setattr(inputs_lib, "_file_digest",
+                      lambda path: hashed.update([os.path.abspath(path)]) or digest(path))
+  with pytest.raises(ValueError, match="config.rollout.top_k=100000"):
+    PPOTrainer(cfg, str(tmp_path / "run"))
+  assert hashed[str(prompts)] == 1, hashed
 
 
 def test_a_plan_file_without_lengths_loads_and_says_it_cannot_check_them(tmp_path):

@@ -366,8 +366,10 @@ class PPOTrainer:
     self.cfg = cfg = build.resolve_config(cfg, self.tokenizer, weights=weights,
                                           critic_weights=weights and not critic_restored)
     if cfg.plan.file:  # a plan searched for another model or batch: before any check stops it
+      # (its prompts file compared by the digest the resume check took: not read again)
       note = plan_file_lib.plan_workload_note(cfg.plan.file, cfg,
-                                              build.reward_model_config(cfg, weights))
+                                              build.reward_model_config(cfg, weights),
+                                              self.checkpoints.inputs)
       if note:
         (logging.warning if note[0] else logging.info)("%s", note[1])
     self._make_meshes(cfg, mesh)

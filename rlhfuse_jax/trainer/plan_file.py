@@ -230,24 +230,32 @@ LENGTH_DATA_FIELDS = ("prompts_file", "task", "length_dist", "length_min", "leng
 PROMPTS_DIGEST = "prompts_digest"
 
 
-def prompts_digest(path: str) -> Optional[str]:
-  """The resume check's content digest (trainer/inputs.content_fingerprint) of the prompts file
-  at `path`; None when there is no file there (the run's own checks name it)."""
-  fp = inputs_lib.content_fingerprint("data.prompts_file", path)
-  return next(iter(fp.values())) if fp else None
+def _input_digests(cfg: Any, inputs: Optional[Mapping[str, Any]]) -> Mapping[str, Any]:
+  """{field: content fingerprint ({file: digest})} of the run `cfg`'s inputs: `inputs`, the
+  resume check's (trainer/inputs.fingerprints, taken as train_ppo's set-up starts: the files
+  are not read again), else its prompts file's taken here (none where there is no file there:
+  the run's own checks name it)."""
+  if inputs is not None:
+    return inputs
+  fp = inputs_lib.content_fingerprint("data.prompts_file", cfg.data.prompts_file) if (
+      cfg.data.prompts_file) else None
+  return {"data.prompts_file": fp} if fp else {}
 
 
-def run_length_inputs(cfg: Any) -> dict:
+def run_length_inputs(cfg: Any, inputs: Optional[Mapping[str, Any]] = None) -> dict:
   """The data fields (LENGTH_DATA_FIELDS) the run `cfg`'s lengths come from: a prompts file
   alone (its prompts; its responses uniform, their limit compared as max_new_tokens): its
-  absolute path and content digest (PROMPTS_DIGEST, where the file exists), else the task and
-  its target lengths' distribution (length_mu and length_sigma of a log-normal only: a uniform
-  one reads neither)."""
+  absolute path and content digest (PROMPTS_DIGEST, where the file exists: of `inputs`, the
+  resume check's fingerprints, where given; _input_digests), else the task and its target
+  lengths' distribution (length_mu and length_sigma of a log-normal only: a uniform one reads
+  neither)."""
   d = cfg.data
   if d.prompts_file:
     out = {"prompts_file": os.path.abspath(d.prompts_file)}
-    digest = prompts_digest(d.prompts_file)
-    return {**out, PROMPTS_DIGEST: digest} if digest else out
+    fp = _input_digests(cfg, inputs).get("data.prompts_file")
+    # (a file's fingerprint is {its name: digest}: the digest alone, a copy under another name
+    # being the same prompts)
+    return {**out, PROMPTS_DIGEST: next(iter(fp.values()))} if fp else out
   out = {"prompts_file": "", "task": d.task, "length_dist": d.length_dist,
          "length_min": d.length_min, "length_max": d.length_max}
   if d.length_dist == "lognormal":
@@ -255,38 +263,41 @@ def run_length_inputs(cfg: Any) -> dict:
   return out
 
 
-def _same_prompts_file(data: Mapping[str, Any], path: str) -> Optional[bool]:
-  """Whether the prompts file plan.json's "data" records is the run's at `path`: by content
-  where both digests are known (a copy elsewhere is the same prompts), else by resolved path
-  (a file written before the digest was recorded, its relative path read from here); None for
-  other content where the path is the same."""
+def _same_prompts_file(data: Mapping[str, Any], run: Mapping[str, Any]) -> Optional[bool]:
+  """Whether the prompts file plan.json's "data" records is the run's (`run`: its
+  run_length_inputs): by content where both digests are known (a copy elsewhere is the same
+  prompts), else by resolved path (a file written before the digest was recorded, its relative
+  path read from here); None for other content where the path is the same."""
   was = data.get(PROMPTS_DIGEST)
-  now = prompts_digest(path) if isinstance(was, str) else None
+  now = run.get(PROMPTS_DIGEST) if isinstance(was, str) else None
   if now is not None and was == now:
     return True
-  same_path = os.path.realpath(str(data["prompts_file"])) == os.path.realpath(path)
+  same_path = os.path.realpath(str(data["prompts_file"])) == os.path.realpath(
+      run["prompts_file"])
   return None if same_path and now is not None else same_path
 
 
-def _length_differences(lengths: Mapping[str, Any], cfg: Any) -> list[str]:
-  """plan_workload_differences' entries of the workload's "lengths" against the run `cfg`:
-  each data field that differs ("lengths.data.length_dist='uniform' (this run's
-  data.length_dist is 'lognormal')"; a prompts file that differs alone, the others then
-  unread: by content where plan.json records its digest, else by resolved path). [] for a plan
-  searched with the simulator's own distributions (no "data": a paper pair's config.prompt and
-  config.response), which no run's fields stand for."""
+def _length_differences(lengths: Mapping[str, Any], cfg: Any,
+                        inputs: Optional[Mapping[str, Any]] = None) -> list[str]:
+  """plan_workload_differences' entries of the workload's "lengths" against the run `cfg`
+  (`inputs`: its content fingerprints, as run_length_inputs takes them): each data field that
+  differs ("lengths.data.length_dist='uniform' (this run's data.length_dist is 'lognormal')";
+  a prompts file that differs alone, the others then unread: by content where plan.json
+  records its digest, else by resolved path). [] for a plan searched with the simulator's own
+  distributions (no "data": a paper pair's config.prompt and config.response), which no run's
+  fields stand for."""
   data = lengths.get("data")
   if not isinstance(data, Mapping):
     return []
+  run = run_length_inputs(cfg, inputs)
   was, now = data.get("prompts_file", ""), cfg.data.prompts_file
   if was or now:
-    same = bool(was) and bool(now) and _same_prompts_file(data, now)
+    same = bool(was) and bool(now) and _same_prompts_file(data, run)
     if same:
       return []
     return [f"lengths.data.prompts_file={was!r} (this run's data.prompts_file is {now!r}" + (
         ": the same path, other content: its digest is not the one recorded)" if same is None
         else ")")]
-  run = run_length_inputs(cfg)
   keys = [k for k in LENGTH_DATA_FIELDS[1:] if k in data and k in run]
   return [f"lengths.data.{k}={data.get(k, '')!r} (this run's data.{k} is {run[k]!r})"
           for k in keys if data.get(k, "") != run[k]]
@@ -325,13 +336,15 @@ def attribute_to_plan(msg: str, path: str) -> str:
 
 
 def plan_workload_differences(plan: Mapping[str, Any], cfg: Any,
-                              reward_model: Optional[Any] = None
+                              reward_model: Optional[Any] = None,
+                              inputs: Optional[Mapping[str, Any]] = None
                               ) -> Optional[list[str]]:
   """'actor num_layers=8 (this run has 2)' for each field of the workload the plan was searched
   for that differs from the run's (`cfg` resolved: the tokenizer's vocabulary, a checkpoint's
   shape; `reward_model`: the run's reward model, build.reward_model_config, compared with the
-  plan's "reward" where it records one); None when the file records no workload (written
-  before it did)."""
+  plan's "reward" where it records one; `inputs`: the run's content fingerprints, the resume
+  check's, run_length_inputs); None when the file records no workload (written before it
+  did)."""
   w = plan.get("workload")
   if not isinstance(w, Mapping):
     return None
@@ -373,7 +386,7 @@ def plan_workload_differences(plan: Mapping[str, Any], cfg: Any,
       has = f"{field} is {now!r}"
     out.append(f"{key}={w[key]!r} (this run's {has})")
   if isinstance(w.get("lengths"), Mapping):
-    out += _length_differences(w["lengths"], cfg)
+    out += _length_differences(w["lengths"], cfg, inputs)
   return out
 
 
@@ -435,14 +448,15 @@ def simulator_lengths_note(plan: Mapping[str, Any]) -> str:
 
 
 def plan_workload_note(path: str, cfg: Any,
-                       reward_model: Optional[Any] = None
+                       reward_model: Optional[Any] = None,
+                       inputs: Optional[Mapping[str, Any]] = None
                        ) -> Optional[tuple[bool, str]]:
   """(a warning?, the line) on how the plan file's workload compares with the run's (`cfg`
-  resolved; `reward_model` as plan_workload_differences); None when they agree. A plan searched
-  for another model or batch runs, but its predicted times and memory check are not this
-  run's."""
+  resolved; `reward_model` and `inputs`, the resume check's fingerprints of the run's files,
+  as plan_workload_differences); None when they agree. A plan searched for another model or
+  batch runs, but its predicted times and memory check are not this run's."""
   plan = load_plan_file(path)
-  diffs = plan_workload_differences(plan, cfg, reward_model)
+  diffs = plan_workload_differences(plan, cfg, reward_model, inputs)
   if diffs is None:
     return False, (f"config.plan.file={path!r} records no workload (a plan.json written before "
                    "plan_search recorded one): not compared with this run's")
