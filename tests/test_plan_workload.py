@@ -5,6 +5,7 @@ import collections
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -143,8 +144,9 @@ def test_the_length_distribution_is_recorded_and_compared(tmp_path):
   compared with the run's."""
   cfg, record = _tiny_run_and_record(tmp_path)
   lengths = record["lengths"]
-  assert lengths["data"] == {"prompts_file": "", "task": "repeat", "length_dist": "uniform",
-                             "length_min": 1, "length_max": 8}, lengths
+  assert lengths["data"] == {"prompts_file": "", "task": "repeat", "num_prompts": 4096,
+                             "length_dist": "uniform", "length_min": 1, "length_max": 8,
+                             "tokenizer": "", "chat_template": "none"}, lengths
   # what the search sampled: repeat's 4-token prompts, targets of 1-8 tokens + EOS
   assert (lengths["prompt"]["max"], lengths["prompt"]["p50"]) == (4, 4.0), lengths
   assert 2 <= lengths["response"]["p50"] and lengths["response"]["max"] <= 9, lengths
@@ -256,9 +258,10 @@ def test_a_plan_file_without_lengths_loads_and_says_it_cannot_check_them(tmp_pat
   path = _plan_file(tmp_path, old)
   plan_file_lib.plan_file_settings(plan_file_lib.load_plan_file(path), path)  # it loads
   unchecked = ("records no prompt and response lengths (data.prompts_file, data.task, "
-               "data.length_dist, data.length_min, data.length_max, data.length_mu, "
-               "data.length_sigma) (a plan.json written before plan_search recorded them): "
-               "those are not compared with this run's")
+               "data.num_prompts, data.length_dist, data.length_min, data.length_max, "
+               "data.length_mu, data.length_sigma, init.tokenizer, data.chat_template) (a "
+               "plan.json written before plan_search recorded them): those are not compared "
+               "with this run's")
   assert plan_file_lib.plan_workload_note(path, cfg) == (
       False, f"config.plan.file={path!r} {unchecked}")
   run = _with_data(dataclasses.replace(cfg, rollout=dataclasses.replace(
@@ -275,6 +278,82 @@ def test_a_plan_file_without_lengths_loads_and_says_it_cannot_check_them(tmp_pat
                                                     "offload_optimizer")}
   assert plan_file_lib.plan_workload_unrecorded({"workload": pair}) == [
       "prompt and response lengths"]
+
+
+def _with_tokenizer(cfg, path):
+  return dataclasses.replace(cfg, init=dataclasses.replace(cfg.init, tokenizer=path))
+
+
+def test_the_tokenizer_chat_template_and_prompt_count_are_recorded_and_compared(tmp_path):
+  """The prompts' lengths are their tokens: the tokenizer and the chat template rendering them
+  make them, and a task's data.num_prompts draws them. plan.json did not record them, and a
+  plan searched for plain prompts ran a chat template's without a word (the fixture's chatml
+  made 64 prompts 25 tokens longer, 67 on average from 42). They are recorded, a file by its
+  content (the resume check's digests: a copy elsewhere agrees, other content at the same path
+  is warned of), each compared; a file from before they were recorded names them once, not
+  compared."""
+  cfg, record = _tiny_run_and_record(tmp_path)
+  plan = {"workload": record}
+  assert plan_file_lib.plan_workload_differences(
+      plan, _with_data(cfg, num_prompts=16)) == [
+          "lengths.data.num_prompts=4096 (this run's data.num_prompts is 16)"]
+  chat = os.path.join(ROOT, "tests", "fixtures", "tiny_chat")
+  for name in ("t1", "t2"):  # a chat template and a copy of it elsewhere
+    shutil.copytree(os.path.join(chat, "chatml"), tmp_path / name)
+  assert plan_file_lib.plan_workload_differences(
+      plan, _with_data(cfg, chat_template=str(tmp_path / "t1"))) == [
+          f"lengths.data.chat_template='none' (this run's data.chat_template is "
+          f"{str(tmp_path / 't1')!r})"]
+  for name in ("tok", "tok2"):  # a tokenizer and a copy of it elsewhere
+    os.makedirs(tmp_path / name)
+    shutil.copy(os.path.join(chat, "tokenizer.json"), tmp_path / name)
+  run = _with_tokenizer(_with_data(cfg, chat_template=str(tmp_path / "t1")),
+                        str(tmp_path / "tok"))
+  data = plan_file_lib.run_length_inputs(run)
+  assert (data["tokenizer"], data["chat_template"]) == (str(tmp_path / "tok"),
+                                                        str(tmp_path / "t1")), data
+  assert sorted(data["tokenizer_digests"]) == ["tokenizer.json"], data
+  assert sorted(data["chat_template_digests"]) == ["tokenizer_config.json"], data
+  plan = {"workload": {"train_config": "c.py", "lengths": {"data": data}}}
+  assert plan_file_lib.plan_workload_differences(plan, run) == []
+  # the same files elsewhere, the tokenizer named by its file: the same inputs
+  copy = _with_tokenizer(_with_data(cfg, chat_template=str(tmp_path / "t2")),
+                         str(tmp_path / "tok2" / "tokenizer.json"))
+  assert plan_file_lib.plan_workload_differences(plan, copy) == []
+  other = _with_tokenizer(_with_data(cfg, chat_template="auto"),
+                          os.path.join(ROOT, "tests", "fixtures", "tiny_llama"))
+  assert plan_file_lib.plan_workload_differences(plan, other) == [
+      f"lengths.data.tokenizer={str(tmp_path / 'tok')!r} (this run's init.tokenizer is "
+      f"{os.path.join(ROOT, 'tests', 'fixtures', 'tiny_llama')!r})",
+      f"lengths.data.chat_template={str(tmp_path / 't1')!r} (this run's data.chat_template is "
+      "'auto')"]
+  template = tmp_path / "t1" / "tokenizer_config.json"  # the template rewritten in place
+  template.write_text(template.read_text().replace("<|im_start|>", "<|im_start|> "))
+  assert plan_file_lib.plan_workload_differences(plan, run) == [
+      f"lengths.data.chat_template={str(tmp_path / 't1')!r} (this run's data.chat_template is "
+      f"{str(tmp_path / 't1')!r}: the same path, other content: its files' digests are not "
+      "the ones recorded)"]
+  # a prompts file's prompts are its own (num_prompts unread); its tokenizer is still compared
+  (tmp_path / "p.jsonl").write_text('{"prompt": "a b c"}\n')
+  with_file = _with_data(run, prompts_file=str(tmp_path / "p.jsonl"), num_prompts=16)
+  plan = {"workload": {"train_config": "c.py", "lengths": {
+      "data": plan_file_lib.run_length_inputs(with_file)}}}
+  assert "num_prompts" not in plan["workload"]["lengths"]["data"]
+  assert plan_file_lib.plan_workload_differences(
+      plan, _with_tokenizer(with_file, "")) == [
+          f"lengths.data.tokenizer={str(tmp_path / 'tok')!r} (this run's init.tokenizer is '')"]
+  # a plan.json from before they were recorded: the rest compared, they named once
+  old = {**record, "lengths": {**record["lengths"], "data": {
+      k: v for k, v in record["lengths"]["data"].items()
+      if k not in ("num_prompts", "tokenizer", "chat_template")}}}
+  path = _plan_file(tmp_path, old)
+  assert plan_file_lib.plan_workload_note(path, other) == (False, (
+      f"config.plan.file={path!r} records no init.tokenizer, data.chat_template, "
+      "data.num_prompts of its lengths (a plan.json written before plan_search recorded "
+      "them): those are not compared with this run's"))
+  assert plan_file_lib.plan_workload_unrecorded({"workload": {**old, "lengths": {
+      "data": {"prompts_file": "p.jsonl", "prompts_digest": "0" * 64}}}})[-1] == (
+          "init.tokenizer, data.chat_template of its lengths")
 
 
 def test_a_paper_pairs_plan_says_its_lengths_are_not_compared(tmp_path):
@@ -311,8 +390,8 @@ def test_a_paper_pairs_plan_says_its_lengths_are_not_compared(tmp_path):
 
 def test_train_ppo_warns_of_a_plan_for_another_mlp_width(tmp_path):
   """The reproduction: plan_search for ppo_tiny, then train_ppo with that plan and
-  --config.model.intermediate_size=256 (or --config.data.length_dist=lognormal) ran without a
-  word. The warning comes at set-up,
+  --config.model.intermediate_size=256 (or --config.data.length_dist=lognormal, or
+  --config.data.chat_template=...) ran without a word. The warning comes at set-up,
   before the trainer's checks (a top_k that validate refuses stops the run in seconds)."""
   env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
          "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
@@ -328,14 +407,18 @@ def test_train_ppo_warns_of_a_plan_for_another_mlp_width(tmp_path):
                         f"--workdir={tmp_path / 'run'}", "--config.rollout.top_k=100000",
                         "--config.model.intermediate_size=256",
                         "--config.critic_model.head_dim=32",
-                        "--config.data.length_dist=lognormal"],
+                        "--config.data.length_dist=lognormal",
+                        "--config.data.num_prompts=64",
+                        "--config.data.chat_template=tests/fixtures/tiny_chat/chatml"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 1 and "config.rollout.top_k=100000" in out.stderr, out.stderr[-3000:]
-  # (and of one searched for another length distribution: plan.json records it since
-  # 2026-12-07)
+  # (and of one searched for another length distribution, prompt count or chat template:
+  # plan.json records them since 2026-12-07)
   assert (f"config.plan.file={path!r} was searched for actor intermediate_size=128 (this run "
-          "has 256); critic head_dim=16 (this run has 32); lengths.data.length_dist='uniform' "
-          "(this run's data.length_dist is 'lognormal') (plan_search's "
+          "has 256); critic head_dim=16 (this run has 32); lengths.data.num_prompts=4096 (this "
+          "run's data.num_prompts is 64); lengths.data.length_dist='uniform' (this run's "
+          "data.length_dist is 'lognormal'); lengths.data.chat_template='none' (this run's "
+          "data.chat_template is 'tests/fixtures/tiny_chat/chatml') (plan_search's "
           "train_config='configs/ppo_tiny.py'): its predicted times and memory check are for "
           "that workload") in out.stderr, out.stderr[-3000:]
 

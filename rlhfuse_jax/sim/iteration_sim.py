@@ -115,7 +115,7 @@ class Workload:
   # keeps room for it with kv_at_max_prompt (the papers' paged engines move blocks into the
   # pool itself). 0: up to the slots.
   migration_rows: int = 8
-  # A train_ppo run's data fields its prompt and response lengths came from
+  # A train_ppo run's fields its prompt and response lengths came from
   # (trainer/plan_file.run_length_inputs, as (field, value) pairs: trainer/sim_plan.workload);
   # plan.json's workload records them (plan_search.length_record) and train_ppo compares its
   # own. (): the simulator's own `prompt` and `response` (the paper pairs).

@@ -897,8 +897,9 @@ def length_record(wl) -> dict:
   searched with, which drive the generation times, the long tail and so the plan's choice
   ("prompt", "response": each LengthSpec described and a summary of the lengths the search
   sampled, recorded, not compared), and for a train_ppo run's workload "data": the run's
-  fields they came from (Workload.length_inputs: data.task or data.prompts_file, data.length_*),
-  which train_ppo compares with its own (trainer/plan_file.py); none for the simulator's own
+  fields they came from (Workload.length_inputs: data.task, num_prompts and length_* or
+  data.prompts_file; init.tokenizer, data.chat_template; the files' content digests), which
+  train_ppo compares with its own (trainer/plan_file.py); none for the simulator's own
   config.prompt and config.response (the paper pairs' variants). Not recorded until
   2026-12-07: a plan searched for 1-8-token responses ran a long-tailed task without a word."""
   prompts, resp = wl.sample_lengths()

@@ -216,91 +216,134 @@ _RUN_PLAN_RECORDED = ("inference_micro_batch", "migration_rows", "offload_optimi
                       "master_weights")
 
 
-# The run's data fields its prompt and response lengths come from (trainer/sim_plan.workload:
+# The run's fields its prompt and response lengths come from (trainer/sim_plan.workload:
 # the task's prompts and targets, or a prompts file's prompts with responses uniform in
-# 1..rollout.max_new_tokens), which plan.json's workload "lengths" records under "data" since
-# 2026-12-07 (plan_search with a train_config) and compares here: they drive the simulated
+# 1..rollout.max_new_tokens; either rendered through data.chat_template and tokenised with
+# init.tokenizer), by their key in plan.json's workload "lengths" "data" (since 2026-12-07,
+# plan_search with a train_config), where each is compared here: they drive the simulated
 # generation times and long tail, and so the plan's choice.
-LENGTH_DATA_FIELDS = ("prompts_file", "task", "length_dist", "length_min", "length_max",
-                      "length_mu", "length_sigma")
+LENGTH_INPUT_FIELDS = {"prompts_file": "data.prompts_file", "task": "data.task",
+                       "num_prompts": "data.num_prompts", "length_dist": "data.length_dist",
+                       "length_min": "data.length_min", "length_max": "data.length_max",
+                       "length_mu": "data.length_mu", "length_sigma": "data.length_sigma",
+                       "tokenizer": "init.tokenizer", "chat_template": "data.chat_template"}
+# The last two and num_prompts were recorded later on 2026-12-07: a plan for one template or
+# tokenizer ran with another without a word (tests/fixtures/tiny_chat's chatml template made
+# 64 prompts 67 tokens long on average, from 42). A file without them compares the rest and
+# says which it lacks.
+LATER_LENGTH_INPUTS = ("tokenizer", "chat_template", "num_prompts")
 # Beside a prompts file (since 2026-12-07, as its absolute path), "data" records the digest of
 # its content the resume check takes (trainer/inputs.py): the prompts' lengths are its content,
 # not its path. The path as typed was compared: './p.jsonl', 'p.jsonl' and '/abs/p.jsonl' were
 # warned of as three files, and other prompts written to the same path were not.
 PROMPTS_DIGEST = "prompts_digest"
+# The inputs that are files, compared by content as the prompts file is: {key: (the key of its
+# content's digests in "data", the resume check's: a prompts file's one digest, a tokenizer's
+# and a chat template path's {file: digest} of the files read, which a copy elsewhere shares;
+# the values that name no file: '' no prompts file, the task's own vocabulary; a template of
+# 'none', or 'auto', the tokenizer's own, which its digests cover)}.
+LENGTH_INPUT_FILES = {"prompts_file": (PROMPTS_DIGEST, ("",)),
+                      "tokenizer": ("tokenizer_digests", ("",)),
+                      "chat_template": ("chat_template_digests", ("none", "auto"))}
+
+
+def _run_value(cfg: Any, key: str) -> Any:
+  """The run `cfg`'s field that LENGTH_INPUT_FIELDS gives for `key`."""
+  section, name = LENGTH_INPUT_FIELDS[key].split(".")
+  return getattr(getattr(cfg, section), name)
 
 
 def _input_digests(cfg: Any, inputs: Optional[Mapping[str, Any]]) -> Mapping[str, Any]:
   """{field: content fingerprint ({file: digest})} of the run `cfg`'s inputs: `inputs`, the
   resume check's (trainer/inputs.fingerprints, taken as train_ppo's set-up starts: the files
-  are not read again), else its prompts file's taken here (none where there is no file there:
-  the run's own checks name it)."""
+  are not read again), else those of LENGTH_INPUT_FILES taken here (none where there is no
+  file there: the run's own checks name it)."""
   if inputs is not None:
     return inputs
-  fp = inputs_lib.content_fingerprint("data.prompts_file", cfg.data.prompts_file) if (
-      cfg.data.prompts_file) else None
-  return {"data.prompts_file": fp} if fp else {}
-
-
-def run_length_inputs(cfg: Any, inputs: Optional[Mapping[str, Any]] = None) -> dict:
-  """The data fields (LENGTH_DATA_FIELDS) the run `cfg`'s lengths come from: a prompts file
-  alone (its prompts; its responses uniform, their limit compared as max_new_tokens): its
-  absolute path and content digest (PROMPTS_DIGEST, where the file exists: of `inputs`, the
-  resume check's fingerprints, where given; _input_digests), else the task and its target
-  lengths' distribution (length_mu and length_sigma of a log-normal only: a uniform one reads
-  neither)."""
-  d = cfg.data
-  if d.prompts_file:
-    out = {"prompts_file": os.path.abspath(d.prompts_file)}
-    fp = _input_digests(cfg, inputs).get("data.prompts_file")
-    # (a file's fingerprint is {its name: digest}: the digest alone, a copy under another name
-    # being the same prompts)
-    return {**out, PROMPTS_DIGEST: next(iter(fp.values()))} if fp else out
-  out = {"prompts_file": "", "task": d.task, "length_dist": d.length_dist,
-         "length_min": d.length_min, "length_max": d.length_max}
-  if d.length_dist == "lognormal":
-    out.update(length_mu=d.length_mu, length_sigma=d.length_sigma)
+  out = {}
+  for key, (_, no_file) in LENGTH_INPUT_FILES.items():
+    field, path = LENGTH_INPUT_FIELDS[key], _run_value(cfg, key)
+    fp = inputs_lib.content_fingerprint(field, path) if path not in no_file else None
+    if fp:
+      out[field] = fp
   return out
 
 
-def _same_prompts_file(data: Mapping[str, Any], run: Mapping[str, Any]) -> Optional[bool]:
-  """Whether the prompts file plan.json's "data" records is the run's (`run`: its
-  run_length_inputs): by content where both digests are known (a copy elsewhere is the same
-  prompts), else by resolved path (a file written before the digest was recorded, its relative
-  path read from here); None for other content where the path is the same."""
-  was = data.get(PROMPTS_DIGEST)
-  now = run.get(PROMPTS_DIGEST) if isinstance(was, str) else None
-  if now is not None and was == now:
+def run_length_inputs(cfg: Any, inputs: Optional[Mapping[str, Any]] = None) -> dict:
+  """The fields (LENGTH_INPUT_FIELDS) the run `cfg`'s lengths come from: a prompts file (its
+  prompts; its responses uniform, their limit compared as max_new_tokens), else the task, its
+  prompt count and its target lengths' distribution (length_mu and length_sigma of a
+  log-normal only: a uniform one reads neither); then the tokenizer and the chat template. A
+  file's (LENGTH_INPUT_FILES) as its absolute path and its content's digests where it exists:
+  of `inputs`, the resume check's fingerprints, where given (_input_digests)."""
+  d = cfg.data
+  if d.prompts_file:
+    out = {"prompts_file": d.prompts_file}
+  else:
+    out = {"prompts_file": "", "task": d.task, "num_prompts": d.num_prompts,
+           "length_dist": d.length_dist, "length_min": d.length_min,
+           "length_max": d.length_max}
+    if d.length_dist == "lognormal":
+      out.update(length_mu=d.length_mu, length_sigma=d.length_sigma)
+  out.update(tokenizer=cfg.init.tokenizer, chat_template=d.chat_template)
+  digests = _input_digests(cfg, inputs)
+  for key, (digest_key, no_file) in LENGTH_INPUT_FILES.items():
+    if out[key] in no_file:
+      continue
+    out[key] = os.path.abspath(out[key])
+    fp = digests.get(LENGTH_INPUT_FIELDS[key])
+    if fp:
+      # (a prompts file's fingerprint is {its name: digest}: the digest alone, a copy under
+      # another name being the same prompts; other inputs' compared by inputs.same_files)
+      out[digest_key] = next(iter(fp.values())) if key == "prompts_file" else dict(fp)
+  return out
+
+
+def _same_input(data: Mapping[str, Any], run: Mapping[str, Any], key: str) -> Optional[bool]:
+  """Whether the input `key` (LENGTH_INPUT_FILES) plan.json's "data" records is the run's
+  (`run`: its run_length_inputs): by content where both digests are known (a copy elsewhere is
+  the same file), else by resolved path (a file written before the digest was recorded, its
+  relative path read from here); None for other content where the path is the same."""
+  digest_key, no_file = LENGTH_INPUT_FILES[key]
+  was, now = data.get(key, ""), run.get(key, "")
+  if was in no_file or now in no_file:
+    return was == now
+  known = isinstance(data.get(digest_key), (str, Mapping)) and digest_key in run
+  if known and inputs_lib.same_files(data[digest_key], run[digest_key]):
     return True
-  same_path = os.path.realpath(str(data["prompts_file"])) == os.path.realpath(
-      run["prompts_file"])
-  return None if same_path and now is not None else same_path
+  same_path = os.path.realpath(str(was)) == os.path.realpath(now)
+  return None if same_path and known else same_path
 
 
 def _length_differences(lengths: Mapping[str, Any], cfg: Any,
                         inputs: Optional[Mapping[str, Any]] = None) -> list[str]:
   """plan_workload_differences' entries of the workload's "lengths" against the run `cfg`
-  (`inputs`: its content fingerprints, as run_length_inputs takes them): each data field that
+  (`inputs`: its content fingerprints, as run_length_inputs takes them): each field that
   differs ("lengths.data.length_dist='uniform' (this run's data.length_dist is 'lognormal')";
-  a prompts file that differs alone, the others then unread: by content where plan.json
-  records its digest, else by resolved path). [] for a plan searched with the simulator's own
-  distributions (no "data": a paper pair's config.prompt and config.response), which no run's
-  fields stand for."""
+  a prompts file that differs alone of the task's fields, which it replaces; the files by
+  content where plan.json records their digests, else by resolved path). [] for a plan
+  searched with the simulator's own distributions (no "data": a paper pair's config.prompt and
+  config.response), which no run's fields stand for (simulator_lengths_note)."""
   data = lengths.get("data")
   if not isinstance(data, Mapping):
     return []
   run = run_length_inputs(cfg, inputs)
-  was, now = data.get("prompts_file", ""), cfg.data.prompts_file
-  if was or now:
-    same = bool(was) and bool(now) and _same_prompts_file(data, run)
+  prompts_file = bool(data.get("prompts_file", "") or cfg.data.prompts_file)
+  # (a prompts file compared also where "data" has no entry for it: then none)
+  keys = [k for k in LENGTH_INPUT_FIELDS if k == "prompts_file" or k in data and (
+      k in LENGTH_INPUT_FILES or (not prompts_file and k in run))]
+  out = []
+  for k in keys:
+    same = (_same_input(data, run, k) if k in LENGTH_INPUT_FILES else
+            data.get(k, "") == run[k])
     if same:
-      return []
-    return [f"lengths.data.prompts_file={was!r} (this run's data.prompts_file is {now!r}" + (
-        ": the same path, other content: its digest is not the one recorded)" if same is None
-        else ")")]
-  keys = [k for k in LENGTH_DATA_FIELDS[1:] if k in data and k in run]
-  return [f"lengths.data.{k}={data.get(k, '')!r} (this run's data.{k} is {run[k]!r})"
-          for k in keys if data.get(k, "") != run[k]]
+      continue
+    out.append(f"lengths.data.{k}={data.get(k, '')!r} (this run's {LENGTH_INPUT_FIELDS[k]} is "
+               f"{_run_value(cfg, k)!r}" + (")" if same is not None else (
+                   ": the same path, other content: its digest is not the one recorded)"
+                   if k == "prompts_file" else ": the same path, other content: its files' "
+                   "digests are not the ones recorded)")))
+  return out
 
 
 def _model_value(model: Any, field: str) -> Any:
@@ -416,16 +459,22 @@ def plan_workload_unrecorded(plan: Mapping[str, Any]) -> list[str]:
   # the length distributions the search sampled (since 2026-12-07), and for a run's plan the
   # data fields they came from
   lengths = w.get("lengths")
-  fields = " (data." + ", data.".join(LENGTH_DATA_FIELDS) + ")" if "train_config" in w else ""
+  fields = (" (" + ", ".join(LENGTH_INPUT_FIELDS.values()) + ")") if "train_config" in w else ""
   if not isinstance(lengths, Mapping):
     out.append("prompt and response lengths" + fields)
   elif not isinstance(lengths.get("data"), Mapping):
     if fields:  # (a paper pair's has none to record: simulator_lengths_note says so)
-      out.append("data fields of its lengths" + fields)
-  elif lengths["data"].get("prompts_file") and PROMPTS_DIGEST not in lengths["data"]:
-    # (since 2026-12-07: its prompts file is then compared by path alone)
-    out.append("content digest of its prompts file (its data.prompts_file is compared by "
-               "path)")
+      out.append("run fields of its lengths" + fields)
+  else:
+    data = lengths["data"]
+    if data.get("prompts_file") and PROMPTS_DIGEST not in data:
+      # (since 2026-12-07: its prompts file is then compared by path alone)
+      out.append("content digest of its prompts file (its data.prompts_file is compared by "
+                 "path)")
+    later = [LENGTH_INPUT_FIELDS[k] for k in LATER_LENGTH_INPUTS if k not in data and not (
+        k == "num_prompts" and data.get("prompts_file"))]  # (a prompts file's are its own)
+    if later:
+      out.append(f"{', '.join(later)} of its lengths")
   return out
 
 
