@@ -232,12 +232,16 @@ def test_a_prompts_file_is_compared_by_content_then_by_resolved_path(tmp_path, m
 def test_the_set_up_hashes_the_prompts_file_once(tmp_path, monkeypatch):
   """A plan.json that records its prompts file's digest made train_ppo's set-up hash the file
   twice: once for the resume check (trainer/inputs.fingerprints), once more to compare it with
-  the plan's. The comparison takes the resume check's digest. (A top_k the trainer's checks
-  refuse stops the set-up after the comparison, before anything is built.)"""
+  the plan's. The comparison takes the resume check's digests, of the tokenizer's and the chat
+  template's files too. (A top_k the trainer's checks refuse stops the set-up after the
+  comparison, before anything is built.)"""
   prompts = tmp_path / "p.jsonl"
   prompts.write_text('{"prompt": "a b c"}\n')
+  shutil.copytree(os.path.join(ROOT, "tests", "fixtures", "tiny_chat", "chatml"),
+                  tmp_path / "chatml")
   c = ppo_tiny.get_config()
   c.data.prompts_file, c.rollout.top_k = str(prompts), 100000
+  c.init.tokenizer = c.data.chat_template = str(tmp_path / "chatml")
   data = plan_file_lib.run_length_inputs(TrainConfig.from_config_dict(c))
   assert data["prompts_file"] == str(prompts) and len(data["prompts_digest"]) == 64
   c.plan.file = _plan_file(tmp_path, {"train_config": "c.py", "lengths": {"data": data}})
@@ -245,9 +249,12 @@ def test_the_set_up_hashes_the_prompts_file_once(tmp_path, monkeypatch):
   hashed, digest = collections.Counter(), inputs_lib._file_digest
   monkeypatch.setattr(inputs_lib, "_file_digest",
                       lambda path: hashed.update([os.path.abspath(path)]) or digest(path))
+  inputs_lib.fingerprints(cfg)  # what the resume check hashes (the template's
+  resume_check = collections.Counter(hashed)  # tokenizer_config.json twice: the tokenizer's too)
+  hashed.clear()
   with pytest.raises(ValueError, match="config.rollout.top_k=100000"):
     PPOTrainer(cfg, str(tmp_path / "run"))
-  assert hashed[str(prompts)] == 1, hashed
+  assert hashed[str(prompts)] == 1 and hashed == resume_check, hashed
 
 
 def test_a_plan_file_without_lengths_loads_and_says_it_cannot_check_them(tmp_path):
