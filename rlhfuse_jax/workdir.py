@@ -76,9 +76,26 @@ def atomic_write_text(path: str, text: str) -> None:
   atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def _is_number(x: Any) -> bool:
+  return x is None or isinstance(x, (int, float))  # (bool too: an int)
+
+
+def dumps_json(obj: Any, level: int = 0) -> str:
+  """`obj` (plain JSON values) as json.dumps(obj, indent=2) writes it, except that a list of
+  numbers (None and booleans among them) stays on one line: indented, a result's 2,400-point
+  curves took a line per float (157 kB for 95 kB of numbers)."""
+  inner, outer = "  " * (level + 1), "  " * level
+  if isinstance(obj, dict) and obj:
+    return "{\n" + ",\n".join(f"{inner}{json.dumps(k)}: {dumps_json(v, level + 1)}"
+                               for k, v in obj.items()) + f"\n{outer}}}"
+  if isinstance(obj, list) and not all(_is_number(v) for v in obj):
+    return "[\n" + ",\n".join(inner + dumps_json(v, level + 1) for v in obj) + f"\n{outer}]"
+  return json.dumps(obj)
+
+
 def write_json(path: str, obj: Any) -> None:
-  """Writes `obj` as indented JSON, atomically."""
-  atomic_write_text(path, json.dumps(_to_jsonable(obj), indent=2, sort_keys=False) + "\n")
+  """Writes `obj` as indented JSON (dumps_json: a list of numbers on one line), atomically."""
+  atomic_write_text(path, dumps_json(_to_jsonable(obj)) + "\n")
 
 
 def check_local_path(workdir: str, field: str = "--workdir") -> None:
