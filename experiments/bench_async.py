@@ -207,12 +207,19 @@ def plot(curves: dict, path: str, width: int, skip: int = 0, machine: str = "") 
   plt.close(fig)
 
 
+# Significant digits a kept curve's value has: a float32 reward's (train_ppo logs them), and
+# 10 us of a 100 s wall time. 17 each (a float64's repr) made the default run's curves 95 kB.
+CURVE_DIGITS = 7
+
+
 def curves_entry(curves: dict, width: int, skip: int = 0, machine: str = "") -> dict:
   """What curves.png draws, as result.json keeps it (`curves`): `plot`'s arguments, each
-  staleness's series under its number as a string (a JSON key) and as lists, so a kept result
-  is drawn again, restyled or compared with another run's (`plot_result`) without its runs."""
+  staleness's series under its number as a string (a JSON key) and as lists (values to
+  CURVE_DIGITS significant digits), so a kept result is drawn again, restyled or compared
+  with another run's (`plot_result`) without its runs. The run's own curves.png is drawn from
+  this entry too, so it is the figure a redraw gives."""
   return {"width": width, "skip": skip, "machine": machine,
-          "runs": {config: {str(k): {name: [float(x) for x in values]
+          "runs": {config: {str(k): {name: [float(f"{x:.{CURVE_DIGITS}g}") for x in values]
                                      for name, values in series.items()}
                             for k, series in by_k.items()}
                    for config, by_k in curves.items()}}

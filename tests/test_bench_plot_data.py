@@ -245,3 +245,70 @@ except ValueError as e:
                      "experiments.bench_generation"), said
   assert said[3] == (f"{made['other']}/result.json: written by experiments.bench_decode, not "
                      "experiments.bench_async"), said
+
+
+_ROUNDED = """
+import json
+import numpy as np
+from experiments import bench_async as b
+entry = b.curves_entry({"c": {0: {"reward": np.float32([1 / 3, 2 / 3, 0.1]),
+                                  "elapsed_s": np.array([0.1 + 0.2, 123.456789012, 1e-9])}}},
+                       40)
+print(json.dumps(entry))
+"""
+
+
+def test_bench_async_keeps_its_curves_to_a_float32_rewards_digits():
+  """A curve's values to 7 significant digits (a float32 reward's; 10 us of a 100 s wall
+  time): their 17-digit reprs made the default run's `curves` 95 kB."""
+  entry = _python(_ROUNDED)
+  assert entry["runs"]["c"]["0"] == {"reward": [0.3333333, 0.6666667, 0.1],
+                                     "elapsed_s": [0.3, 123.4568, 1e-9]}
+
+
+KEPT_ASYNC = os.path.join(REPO, "experiments", "results", "async_ppo_learning")
+
+_REDRAW_KEPT = _CAPTURE + """
+import sys
+from experiments import bench_async as b
+b.redraw(sys.argv[1])
+print(json.dumps(SEEN))
+"""
+
+
+def test_the_kept_async_learning_result_is_compact_and_every_reader_still_reads_it(tmp_path):
+  """async_ppo_learning/result.json was 157 kB, a line per float; rewritten in write_json's
+  layout with its curves to 7 digits (not re-run) it is 55 kB. Its README's table still reads
+  from it, its curves still give the gains it reports, and it still redraws (in a copy: the
+  run's own curves.png stays)."""
+  path = os.path.join(KEPT_ASYNC, "result.json")
+  with open(path) as f:
+    text = f.read()
+  result = json.loads(text)
+  from rlhfuse_jax import workdir as wd
+  assert text == wd.dumps_json(result) + "\n" and len(text) < 60_000
+  width = result["curves"]["width"]
+  with open(os.path.join(KEPT_ASYNC, "README.md")) as f:
+    table = [line for line in f if line.startswith("| ppo_tiny |") or
+             line.startswith("| grpo_tiny |")]
+  assert len(table) == 2
+  for line in table:
+    name = line.split("|")[1].strip()
+    runs = result["runs"][f"configs/{name}.py"]
+    s0, s1, s2 = runs["s0"], runs["s1"], runs["s2"]
+    shown = (f"| {name} | {s0['reward_gain']:.3f} ("
+             + ", ".join(f"{g:.3f}" for g in s0["reward_gain_per_seed"])
+             + f") | {s1['reward_gain']:.3f} ({s1['gain_ratio']:.3f}) | "
+             f"{s2['reward_gain']:.3f} ({s2['gain_ratio']:.3f}) |")
+    assert line.strip() == shown
+    for k, s in enumerate((s0, s1, s2)):  # the seeds' mean curve gives the seeds' mean gain
+      reward = result["curves"]["runs"][f"configs/{name}.py"][str(k)]["reward"]
+      gain = (sum(reward[-width:]) - sum(reward[:width])) / width
+      assert gain == pytest.approx(s["reward_gain"], abs=1e-7)
+  (tmp_path / "result.json").write_text(text)
+  seen = _python(_REDRAW_KEPT, str(tmp_path))
+  assert [name for name, _ in seen] == ["curves.png"]
+  axes = seen[0][1]
+  assert len(axes) == 4 and all(len(ax["lines"]) == 3 for ax in axes)
+  sync = result["curves"]["runs"]["configs/ppo_tiny.py"]["0"]
+  assert axes[2]["lines"][0][1] == sync["elapsed_s"]  # (the bottom row: against wall time)
