@@ -4,8 +4,10 @@ r"""Reproduces the RLHFuse ablations at paper scale with the simulator (rlhfuse_
 
 Writes into the workdir: config.json, result.json ({"rows": [{setting, system, iteration_s,
 gen_s, inf_s, gen_plus_inf_s, train_s, samples_per_s, reshard_s, details}], "inputs",
-"validation"}), ablations.md, iteration_time.png, generation_timeline.png, fused_gantt.png (fused
-schedule above the serial 1F1B one), schedule_cache.json (fused searches, reused on re-runs),
+"validation", "figures"}), ablations.md, iteration_time.png, generation_timeline.png,
+fused_gantt.png (fused schedule above the serial 1F1B one; the PNGs are drawn from result.json's
+`rows` and `figures`, and `redraw(WORKDIR)` draws them again from it alone),
+schedule_cache.json (fused searches, reused on re-runs),
 and, with --config.validate.bench_decode_workdir, decode_fit_calibration.json: the decode model
 fitted to that bench, which --config.calibration=<it> turns into the simulated engine.
 
@@ -37,11 +39,14 @@ flags.mark_flags_as_required(["config", "workdir"])
 PAPER_RT = 0.2  # RLHFuse (arXiv 2409.13221): about 20 % of samples remaining is often a good Rt
 
 
-def _figures(cfg, out: dict, workdir: str, systems) -> list[str]:
-  names = []
-  plots.plot_iteration_times(out["rows"], systems, os.path.join(workdir, "iteration_time.png"),
-                             machine=f"{cfg.num_devices} x {cfg.hardware}")
-  names.append("iteration_time.png")
+def figure_data(cfg, out: dict) -> dict:
+  """What the PNGs draw, as result.json keeps it (`figures`; the bars of iteration_time.png
+  are result.json's `rows`): the systems and machine of iteration_time.png; the setting and
+  each panel's title and timeline (plots.timeline_data) of generation_timeline.png; each
+  panel's title and schedule (plots.schedule_data) of fused_gantt.png. `plot_figures` draws
+  them, for the run and for `redraw`."""
+  figures = {"iteration_time": {"systems": list(cfg.systems),
+                                "machine": f"{cfg.num_devices} x {cfg.hardware}"}}
   raw = out["raw"]
   gens = raw["gen"]
   panels = []
@@ -61,24 +66,60 @@ def _figures(cfg, out: dict, workdir: str, systems) -> list[str]:
       res = gen_lib.simulate_generation(ablations.cost_model(cfg), wl.actor,
                                         (wl.actor, wl.critic, wl.critic), setup, prompts, resp)
       panels.append((f"with consolidation at the paper's Rt={PAPER_RT:g} (not chosen)", res))
-  if panels:
-    plots.plot_generation_timelines(panels, os.path.join(workdir, "generation_timeline.png"),
-                                    setting=raw["setting"]["label"])
-    names.append("generation_timeline.png")
-  train = raw["train"]
   label = raw["setting"]["label"]
+  if panels:
+    decimals = plots.time_decimals(max(r.gen_plus_inf_s for _, r in panels))
+    figures["generation_timeline"] = {
+        "setting": label, "panels": [{"title": title, "timeline": plots.timeline_data(r, decimals)}
+                                     for title, r in panels]}
+  train = raw["train"]
   if True in train and False in train:
     pdict = dict(train[True]["problem"])
     problem = PipelineProblem(**{k: v for k, v in pdict.items() if k != "memory_budget"})
     fused = schedule_lib.from_order(problem, np.array(train[True]["search"]["order"], np.int8))
     serial = _serial_schedule(problem, schedules.serial_order(problem))
-    plots.plot_schedules(
-        [(f"fused actor+critic schedule (intra_stage / rlhfuse), {label}: "
-          f"{fused.makespan:.1f} ms per mini-batch", fused),
-         (f"serial: actor 1F1B then critic 1F1B (rlhfuse_base): {serial.makespan:.1f} ms",
-          serial)], os.path.join(workdir, "fused_gantt.png"))
+    decimals = plots.time_decimals(max(fused.makespan, serial.makespan))
+    figures["fused_gantt"] = {"panels": [
+        {"title": f"fused actor+critic schedule (intra_stage / rlhfuse), {label}: "
+                  f"{fused.makespan:.1f} ms per mini-batch",
+         "schedule": plots.schedule_data(fused, decimals)},
+        {"title": f"serial: actor 1F1B then critic 1F1B (rlhfuse_base): {serial.makespan:.1f} ms",
+         "schedule": plots.schedule_data(serial, decimals)}]}
+  return figures
+
+
+def plot_figures(result: dict, workdir: str) -> list[str]:
+  """The PNGs of `result` (its `rows` and `figures`: figure_data) in `workdir`, drawn from
+  those alone; returns their names."""
+  figures = result["figures"]
+  names = ["iteration_time.png"]
+  plots.plot_iteration_times(result["rows"], figures["iteration_time"]["systems"],
+                             os.path.join(workdir, names[0]),
+                             machine=figures["iteration_time"]["machine"])
+  if "generation_timeline" in figures:
+    entry = figures["generation_timeline"]
+    names.append("generation_timeline.png")
+    plots.plot_generation_timelines(
+        [(p["title"], plots.timeline_from_data(p["timeline"])) for p in entry["panels"]],
+        os.path.join(workdir, names[-1]), setting=entry["setting"])
+  if "fused_gantt" in figures:
     names.append("fused_gantt.png")
+    plots.plot_schedules([(p["title"], plots.schedule_from_data(p["schedule"]))
+                          for p in figures["fused_gantt"]["panels"]],
+                         os.path.join(workdir, names[-1]))
   return names
+
+
+def redraw(workdir: str) -> list[str]:
+  """The PNGs of a finished run in `workdir`, drawn again from its result.json alone (no
+  simulation); returns their paths."""
+  path = os.path.join(workdir, "result.json")
+  result = wd.read_result(workdir, "reproduce_ablations")
+  if "figures" not in result:
+    raise ValueError(f"{path}: no `figures` (a reproduce_ablations result written before "
+                     "2026-12-07 does not keep what its PNGs draw; its command, in "
+                     "`provenance`, draws them again)")
+  return [os.path.join(workdir, name) for name in plot_figures(result, workdir)]
 
 
 def _serial_schedule(problem, order):
@@ -154,9 +195,12 @@ def main(argv):
       val_cal, cfg.bench_generation_workdir, cfg.bench_pipeline_workdir,
       cfg.bench_decode_workdir, cfg.efficiency, cfg.bench_decode_extra,
       decode_fit_out=os.path.join(workdir, "decode_fit_calibration.json"))
-  figures = _figures(cfg, out, workdir, cfg.systems)
-  runner.write_result(workdir, {"iteration_s": iteration_table(out["rows"]), "rows": out["rows"],
-                               "inputs": out["inputs"], "validation": val_rows})
+  result = {"iteration_s": iteration_table(out["rows"]), "rows": out["rows"],
+            "inputs": out["inputs"], "validation": val_rows,
+            "figures": figure_data(cfg, out)}
+  # drawn from what result.json keeps (as it reads back): the figures a redraw gives
+  figures = plot_figures(wd.as_json(result), workdir)
+  runner.write_result(workdir, result)
   made = runner.provenance()  # as result.json's
   when = made.get("started", made["date"])[:10]
   report.write_markdown(os.path.join(workdir, "ablations.md"), out["rows"], cfg.systems,

@@ -1,8 +1,9 @@
-"""bench_generation's and bench_async's result.json keep the data their PNGs draw, and
-`redraw(WORKDIR)` draws each PNG again from result.json alone with the same series (axes, lines,
-bars and titles compared, not pixels). Before, result.json kept neither an instance's activity
-segments nor the reward curves: a kept result's figure could not be restyled, redrawn at the
-current layout or set beside another run's without running the bench again.
+"""bench_generation's, bench_async's and reproduce_ablations' result.json keep the data their
+PNGs draw, and `redraw(WORKDIR)` draws each PNG again from result.json alone with the same
+series (axes, lines, bars and titles compared, not pixels). Before, result.json kept neither an
+instance's activity segments, the reward curves nor the simulated timelines and schedules: a
+kept result's figure could not be restyled, redrawn at the current layout or set beside another
+run's without running the bench (or the whole simulation) again.
 
 The binaries define absl flags, so each is imported in a subprocess; the figures are read where
 they are saved (matplotlib's Figure.savefig wrapped)."""
@@ -11,9 +12,11 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from rlhfuse_jax.generation.timeline import Timeline
+from rlhfuse_jax.sim import plots
 from tests.xla_env import subprocess_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -216,7 +219,7 @@ def test_redraw_names_a_result_without_the_data_or_of_another_binary(tmp_path):
   refused by path and by what it lacks, not with a KeyError."""
   made = {}
   for name, binary in (("gen", "bench_generation"), ("async", "bench_async"),
-                       ("other", "bench_decode")):
+                       ("other", "bench_decode"), ("abl", "reproduce_ablations")):
     made[name] = tmp_path / name
     made[name].mkdir()
     (made[name] / "result.json").write_text(json.dumps({"runs": {}, "provenance": {
@@ -233,7 +236,8 @@ except ValueError as e:
 """
   said = []
   for binary, where in (("bench_generation", "gen"), ("bench_async", "async"),
-                        ("bench_generation", "async"), ("bench_async", "other")):
+                        ("bench_generation", "async"), ("bench_async", "other"),
+                        ("reproduce_ablations", "abl"), ("reproduce_ablations", "gen")):
     out = subprocess.run([sys.executable, "-c", code.format(binary=binary),
                           str(made[where])], cwd=REPO, env=subprocess_env(None),
                          capture_output=True, text=True, timeout=300)
@@ -245,6 +249,9 @@ except ValueError as e:
                      "experiments.bench_generation"), said
   assert said[3] == (f"{made['other']}/result.json: written by experiments.bench_decode, not "
                      "experiments.bench_async"), said
+  assert said[4].startswith(f"{made['abl']}/result.json: no `figures` ("), said
+  assert said[5] == (f"{made['gen']}/result.json: written by experiments.bench_generation, not "
+                     "experiments.reproduce_ablations"), said
 
 
 _ROUNDED = """
@@ -312,3 +319,139 @@ def test_the_kept_async_learning_result_is_compact_and_every_reader_still_reads_
   assert len(axes) == 4 and all(len(ax["lines"]) == 3 for ax in axes)
   sync = result["curves"]["runs"]["configs/ppo_tiny.py"]["0"]
   assert axes[2]["lines"][0][1] == sync["elapsed_s"]  # (the bottom row: against wall time)
+
+
+_ABLATIONS = _CAPTURE + """
+import sys
+workdir = sys.argv[1]
+sys.argv = ["reproduce_ablations", "--config=configs/ablations.py:quick", f"--workdir={workdir}",
+            "--config.sim.search_time_s=0.3",
+            "--config.systems=rlhfuse_base,inter_stage,intra_stage"]
+from absl import flags
+from experiments import reproduce_ablations as ra
+flags.FLAGS(sys.argv)
+ra.main(["reproduce_ablations"])
+ran = list(SEEN)
+SEEN.clear()
+redrawn = ra.redraw(workdir)
+print(json.dumps({"ran": ran, "redrawn": SEEN, "paths": redrawn}))
+"""
+
+
+def test_reproduce_ablations_redraws_its_figures_from_result_json(tmp_path):
+  """The simulated generation timelines and pipeline schedules were kept nowhere: the
+  figures of a kept run could only be had by running the whole simulation again (the fused
+  schedule, of a wall-clock-limited search, not even then). Now result.json's `figures` holds
+  what they draw, the run draws them from it, and `redraw` draws the same series."""
+  got = _python(_ABLATIONS, str(tmp_path))
+  with open(tmp_path / "result.json") as f:
+    result = json.load(f)
+  names = ["iteration_time.png", "generation_timeline.png", "fused_gantt.png"]
+  assert [name for name, _ in got["ran"]] == names
+  assert got["redrawn"] == got["ran"] and got["paths"] == [str(tmp_path / n) for n in names]
+  rows = {r["system"]: r for r in result["rows"]}
+  figures = result["figures"]
+  assert figures["iteration_time"] == {"systems": ["rlhfuse_base", "inter_stage",
+                                                   "intra_stage"], "machine": "64 x h100_sxm"}
+  # The timelines are the simulated generations of the rows they stand for ...
+  panels = figures["generation_timeline"]["panels"]
+  assert figures["generation_timeline"]["setting"] == "13B/13B L=512"
+  for panel, system in zip(panels, ("rlhfuse_base", "inter_stage")):
+    assert panel["title"].endswith(f"({system})")
+    assert panel["timeline"]["gen_end_s"] == rows[system]["gen_s"]
+    assert panel["timeline"]["gen_plus_inf_s"] == rows[system]["gen_plus_inf_s"]
+  # ... each of its spans a bar, its curve the right axis's line
+  timeline_axes = [axes for name, axes in got["ran"] if name == names[1]][0]
+  n = len(panels)  # (the panels' axes, then their right axes: twinx adds each at the end)
+  assert len(timeline_axes) == 2 * n
+  for panel, ax, curve_ax in zip(panels, timeline_axes[:n], timeline_axes[n:]):
+    spans = panel["timeline"]["spans"]
+    assert set(spans) >= {"prefill", "decode", "inference"}
+    assert sum(len(bars) for _, bars in ax["bars"]) == sum(len(c["start"])
+                                                           for c in spans.values())
+    assert curve_ax["lines"][0][1:] == [panel["timeline"]["unfinished"]["t_s"],
+                                        panel["timeline"]["unfinished"]["samples"]]
+  # The schedules are the rows' pipelines: every task of each model and kind, at its time.
+  fused, serial = figures["fused_gantt"]["panels"]
+  train = rows["intra_stage"]["details"]["train"]
+  problem = train["problem"]
+  assert fused["schedule"]["makespan"] == train["pipeline_ms"]
+  assert serial["schedule"]["makespan"] == rows["rlhfuse_base"]["details"]["train"][
+      "pipeline_ms"]
+  for panel in (fused, serial):
+    tasks = panel["schedule"]["tasks"]
+    assert set(tasks) == {"actor F", "actor B", "critic F", "critic B"}
+    for key, columns in tasks.items():
+      model, kind = key.split()
+      assert len(columns["start"]) == (problem[f"{model}_pp"] *
+                                       problem[f"{model}_microbatches"])
+      pass_ = "fwd" if kind == "F" else "bwd"
+      assert columns["width"] == [pytest.approx(problem[f"{model}_{pass_}"], abs=1e-3)]
+
+
+def _pixels(path) -> np.ndarray:
+  import matplotlib.image
+  return matplotlib.image.imread(str(path))
+
+
+def test_a_timeline_and_a_schedule_read_back_from_their_data_as_drawn(tmp_path):
+  """timeline_data keeps a generation's spans by kind (touching ones as one bar), its curve
+  and consolidations; schedule_data a schedule's tasks by model and kind (one width where all
+  share it). Read back, at full precision they draw the very same pixels; at the figure's
+  6 significant digits every time is within half a millionth of the axis."""
+  import types
+  from rlhfuse_jax.pipeline import schedule as schedule_lib, schedules
+  from rlhfuse_jax.pipeline.graph import PipelineProblem
+  segments = [(0, 0.0, 0.25, "prefill"), (0, 0.25, 1.0 / 3, "decode"),
+              (0, 1.0 / 3, 0.75, "decode"), (1, 0.5, 0.625, "decode"), (0, 0.8, 0.9, "decode"),
+              (1, 0.625, 0.7, "migrate"), (1, 0.7, 1.2, "inference")]
+  res = types.SimpleNamespace(
+      segments=segments, unfinished_curve=[(0.0, 4), (0.75, 1), (0.9, 0)],
+      consolidations=[{"time_s": 0.625, "moves": 1}], gen_end_s=0.9, gen_plus_inf_s=1.2,
+      instance_busy_frac=0.8123456789)
+  d = json.loads(json.dumps(plots.timeline_data(res, 12)))
+  assert d["spans"]["decode"] == {"instance": [0, 0, 1], "start": [0.25, 0.8, 0.5],
+                                  "width": [0.5, pytest.approx(0.1), 0.125]}
+  back = plots.timeline_from_data(d)
+  assert sorted(back.segments) == sorted([(0, 0.0, 0.25, "prefill"), (0, 0.25, 0.75, "decode"),
+                                          (0, 0.8, 0.9, "decode"), (1, 0.5, 0.625, "decode"),
+                                          (1, 0.625, 0.7, "migrate"),
+                                          (1, 0.7, 1.2, "inference")])
+  assert back.unfinished_curve == res.unfinished_curve
+  assert back.consolidations == [{"time_s": 0.625}]
+  assert (back.gen_end_s, back.gen_plus_inf_s, back.instance_busy_frac) == (0.9, 1.2,
+                                                                            0.8123456789)
+  plots.plot_generation_timelines([("t", res)], str(tmp_path / "a.png"), setting="s")
+  plots.plot_generation_timelines([("t", back)], str(tmp_path / "b.png"), setting="s")
+  assert (_pixels(tmp_path / "a.png") == _pixels(tmp_path / "b.png")).all()
+  decimals = plots.time_decimals(1.2)
+  assert decimals == 5
+  res.consolidations = [{"time_s": 2 / 3}]
+  rounded = plots.timeline_data(res, decimals)
+  assert rounded["consolidations_s"] == [0.66667]
+  assert rounded["spans"]["decode"]["width"] == [0.5, 0.1, 0.125]  # (0.9 - 0.8: 0.0999...98)
+  problem = PipelineProblem(actor_pp=4, critic_pp=2, actor_microbatches=8,
+                            critic_microbatches=4, actor_fwd=2.459148, critic_fwd=2.453499,
+                            actor_bwd=3.869188, critic_bwd=3.857889, transfer_latency=0.053843)
+  sched = schedule_lib.from_order(problem, schedules.serial_order(problem))
+  d = json.loads(json.dumps(plots.schedule_data(sched, 12)))
+  assert d["devices"] == len(sched.devices) and d["makespan"] == sched.makespan
+  count = {k: sum(f"{t.model} {t.kind}" == k for dev in sched.devices for t in dev)
+           for k in ("actor F", "actor B", "critic F", "critic B")}
+  assert count["actor F"] == 32 and count["critic F"] == 16  # (the critic's 2 replicas)
+  assert {k: (len(c["start"]), c["width"]) for k, c in d["tasks"].items()} == {
+      "actor F": (count["actor F"], [2.459148]), "actor B": (count["actor B"], [3.869188]),
+      "critic F": (count["critic F"], [2.453499]), "critic B": (count["critic B"], [3.857889])}
+  back = plots.schedule_from_data(d)
+  for drawn, dev in zip(back.devices, sched.devices, strict=True):
+    drawn, dev = (sorted((t.model, t.kind, t.start, t.end) for t in tasks)
+                  for tasks in (drawn, dev))
+    assert [t[:2] for t in drawn] == [t[:2] for t in dev]
+    assert [t[2:] for t in drawn] == [pytest.approx(t[2:], abs=1e-9) for t in dev]
+  plots.plot_schedules([("s", sched)], str(tmp_path / "a.png"))
+  plots.plot_schedules([("s", back)], str(tmp_path / "b.png"))
+  assert (_pixels(tmp_path / "a.png") == _pixels(tmp_path / "b.png")).all()
+  d["tasks"]["actor B"]["width"] = [1.0, 2.0]
+  with pytest.raises(ValueError, match=r"^tasks\.actor B: 32 devices, 32 starts and 2 widths: "
+                                       r"expected as many of each \(or one width\)$"):
+    plots.schedule_from_data(d)

@@ -1,6 +1,13 @@
-"""Figures of the simulator: iteration time per system and setting, generation timelines."""
+"""Figures of the simulator: iteration time per system and setting, generation timelines.
+
+What a timeline or Gantt figure draws is also kept as JSON (`timeline_data`, `schedule_data`:
+reproduce_ablations' result.json), and drawn again from it (`timeline_from_data`,
+`schedule_from_data`), without the simulation that made it.
+"""
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Optional, Sequence
 
 import matplotlib
@@ -166,3 +173,113 @@ def plot_schedules(panels: Sequence[tuple[str, object]], path: str) -> None:
   _legend_below(fig, handles, [f"{m} {k}" for m, k in _TASK_COLORS])
   fig.savefig(path, dpi=110)
   plt.close(fig)
+
+
+def time_decimals(t_max: float) -> int:
+  """Decimal places that keep 6 significant digits of a time axis ending at `t_max`: what the
+  kept figure data is rounded to (a millionth of the axis, far below a pixel)."""
+  return 6 if not t_max > 0 else max(0, 5 - math.floor(math.log10(t_max)))
+
+
+def _columns(spans: Sequence[tuple[int, float, float]], decimals: int, row: str) -> dict:
+  """{row: [...], "start": [...], "width": [...]} of (row, start, end) spans, times rounded to
+  `decimals`; "width" holds one value when every span has it (a pipeline's tasks of one model
+  and kind)."""
+  width = [round(float(e) - float(s), decimals) for _, s, e in spans]
+  return {row: [int(r) for r, _, _ in spans],
+          "start": [round(float(s), decimals) for _, s, _ in spans],
+          "width": width[:1] if len(set(width)) == 1 else width}
+
+
+def _spans(columns: dict, row: str, what: str) -> list[tuple[int, float, float]]:
+  """_columns' (row, start, end) spans back; a ValueError naming `what` when the columns'
+  lengths disagree."""
+  rows, start, width = columns[row], columns["start"], columns["width"]
+  if len(width) == 1:
+    width = width * len(start)
+  if not len(rows) == len(start) == len(width):
+    raise ValueError(f"{what}: {len(rows)} {row}s, {len(start)} starts and "
+                     f"{len(columns['width'])} widths: expected as many of each (or one width)")
+  return [(r, s, s + w) for r, s, w in zip(rows, start, width)]
+
+
+@dataclasses.dataclass(frozen=True)
+class DrawnTimeline:
+  """What plot_generation_timelines reads of a simulated generation (a GenResult), as
+  timeline_from_data gives it back."""
+  segments: list  # [(instance, start_s, end_s, kind)]
+  unfinished_curve: list  # [(t_s, unfinished samples)]
+  consolidations: list  # [{"time_s": t}]
+  gen_end_s: float
+  gen_plus_inf_s: float
+  instance_busy_frac: float
+
+
+def timeline_data(res, decimals: int) -> dict:
+  """What plot_generation_timelines draws of `res` (a GenResult), as JSON values: the titles'
+  figures as they are; times drawn (activity spans by kind, the unfinished-sample curve, the
+  consolidations' lines) rounded to `decimals` (time_decimals of the figure's axis). The spans
+  of one kind on one instance that touch (each decode chunk starts where the last ended: 93 %
+  of a paper-scale run's segments) are kept as one, the bar they drew edge to edge."""
+  by_kind: dict = {}  # kind -> [[instance, start, end]], by instance then start
+  for inst, start, end, kind in sorted(res.segments, key=lambda s: (s[3], s[0], s[1])):
+    spans = by_kind.setdefault(kind, [])
+    if spans and spans[-1][0] == inst and start == spans[-1][2]:
+      spans[-1][2] = end
+    else:
+      spans.append([inst, start, end])
+  return {"gen_end_s": float(res.gen_end_s), "gen_plus_inf_s": float(res.gen_plus_inf_s),
+          "instance_busy_frac": float(res.instance_busy_frac),
+          "consolidations_s": [round(float(c["time_s"]), decimals) for c in res.consolidations],
+          "unfinished": {"t_s": [round(float(t), decimals) for t, _ in res.unfinished_curve],
+                         "samples": [int(u) for _, u in res.unfinished_curve]},
+          "spans": {kind: _columns(spans, decimals, "instance")
+                    for kind, spans in by_kind.items()}}
+
+
+def timeline_from_data(d: dict) -> DrawnTimeline:
+  """The DrawnTimeline of timeline_data's `d` (as json.load reads it back)."""
+  return DrawnTimeline(
+      segments=[(i, s, e, kind) for kind, columns in d["spans"].items()
+                for i, s, e in _spans(columns, "instance", f"spans.{kind}")],
+      unfinished_curve=list(zip(d["unfinished"]["t_s"], d["unfinished"]["samples"])),
+      consolidations=[{"time_s": t} for t in d["consolidations_s"]],
+      gen_end_s=d["gen_end_s"], gen_plus_inf_s=d["gen_plus_inf_s"],
+      instance_busy_frac=d["instance_busy_frac"])
+
+
+@dataclasses.dataclass(frozen=True)
+class DrawnTask:
+  model: str
+  kind: str
+  start: float
+  end: float
+
+
+@dataclasses.dataclass(frozen=True)
+class DrawnSchedule:
+  """What plot_schedules reads of a pipeline Schedule, as schedule_from_data gives it back."""
+  devices: tuple  # [device][task]: DrawnTask
+  makespan: float
+
+
+def schedule_data(sched, decimals: int) -> dict:
+  """What plot_schedules draws of `sched` (a pipeline Schedule), as JSON values: the makespan
+  as it is, and the spans of each model and kind's tasks ("actor F": device, start, width;
+  times rounded to `decimals`, time_decimals of the axis; one width where all share it)."""
+  tasks: dict = {}
+  for d, dev in enumerate(sched.devices):
+    for t in dev:
+      tasks.setdefault(f"{t.model} {t.kind}", []).append((d, t.start, t.end))
+  return {"makespan": float(sched.makespan), "devices": len(sched.devices),
+          "tasks": {key: _columns(spans, decimals, "device") for key, spans in tasks.items()}}
+
+
+def schedule_from_data(d: dict) -> DrawnSchedule:
+  """The DrawnSchedule of schedule_data's `d` (as json.load reads it back)."""
+  devices: list = [[] for _ in range(d["devices"])]
+  for key, columns in d["tasks"].items():
+    model, kind = key.split(" ")
+    for dev, s, e in _spans(columns, "device", f"tasks.{key}"):
+      devices[dev].append(DrawnTask(model, kind, s, e))
+  return DrawnSchedule(devices=tuple(tuple(dev) for dev in devices), makespan=d["makespan"])
