@@ -455,3 +455,33 @@ def test_a_timeline_and_a_schedule_read_back_from_their_data_as_drawn(tmp_path):
   with pytest.raises(ValueError, match=r"^tasks\.actor B: 32 devices, 32 starts and 2 widths: "
                                        r"expected as many of each \(or one width\)$"):
     plots.schedule_from_data(d)
+
+
+KEPT_ABLATIONS = os.path.join(REPO, "experiments", "results", "ablations_2026-12-06")
+
+
+@pytest.mark.parametrize("k", [1, 8, 16])
+def test_the_kept_chunk_steps_results_redraw_from_their_figures(tmp_path, k):
+  """ablations_2026-12-06/chunk_steps_K/ were re-run (2026-12-07, the same rows) to keep
+  `figures`: their PNGs redraw from result.json alone (in a copy), the timelines those of
+  the rows they stand for."""
+  with open(os.path.join(KEPT_ABLATIONS, f"chunk_steps_{k}", "result.json")) as f:
+    text = f.read()
+  result = json.loads(text)
+  (tmp_path / "result.json").write_text(text)
+  code = _CAPTURE + """
+import sys
+from experiments import reproduce_ablations as ra
+paths = ra.redraw(sys.argv[1])
+print(json.dumps({"paths": paths, "seen": SEEN}))
+"""
+  got = _python(code, str(tmp_path))
+  names = ["iteration_time.png", "generation_timeline.png"]
+  assert got["paths"] == [str(tmp_path / n) for n in names]
+  assert [name for name, _ in got["seen"]] == names
+  rows = {r["system"]: r for r in result["rows"]}
+  panels = result["figures"]["generation_timeline"]["panels"]
+  for panel, system in zip(panels, ("rlhfuse_base", "inter_stage")):
+    assert panel["timeline"]["gen_plus_inf_s"] == rows[system]["gen_plus_inf_s"]
+  timeline_axes = got["seen"][1][1]
+  assert f"gen+inf {rows['inter_stage']['gen_plus_inf_s']:.3g}s" in timeline_axes[1]["title"]
