@@ -520,7 +520,12 @@ def plot(result: dict, path: str) -> None:
   peak = result["device"]["peak_hbm_bw_bytes_per_s"]
   if peak:
     ax2.axhline(peak / 1e9, color="k", ls="--", label=f"peak {result['device']['peak']}")
-  ax2.set(xscale="log", xlabel="batch", ylabel="GB/s (weights + live KV per step)",
+  # The KV bytes the result counted, as its formula says: the live prefix (BYTES_FORMULA), or
+  # the whole cache in a result kept from before (h100_bench_decode_1b, whose redraw said
+  # "live KV" of its whole-cache bytes)
+  formula = result["decode"].get("bytes_per_step_formula", BYTES_FORMULA)
+  kv = "live KV" if "mean_live_len" in formula else "full KV cache"
+  ax2.set(xscale="log", xlabel="batch", ylabel=f"GB/s (weights + {kv} per step)",
           title="achieved memory bandwidth" + ("" if peak else f" ({UNKNOWN_PEAK})"))
   ax2.legend()
   dev = result["device"]

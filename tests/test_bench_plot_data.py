@@ -485,3 +485,29 @@ print(json.dumps({"paths": paths, "seen": SEEN}))
     assert panel["timeline"]["gen_plus_inf_s"] == rows[system]["gen_plus_inf_s"]
   timeline_axes = got["seen"][1][1]
   assert f"gen+inf {rows['inter_stage']['gen_plus_inf_s']:.3g}s" in timeline_axes[1]["title"]
+
+
+_BENCH_DECODE_PLOT = _CAPTURE + """
+import sys
+from experiments import bench_decode as bd
+for path in sys.argv[2:]:
+  with open(path) as f:
+    bd.plot(json.load(f), os.path.join(sys.argv[1], "bench_decode.png"))
+print(json.dumps(SEEN))
+"""
+
+
+def test_bench_decode_redraws_a_kept_result_with_the_bytes_it_counted(tmp_path):
+  """bench_decode.png's bandwidth axis said "weights + live KV" whatever the result counted:
+  h100_bench_decode_1b's (2026-11-23) counted the whole cache every step, as its
+  bytes_per_step_formula and its own PNG say, and its redraw mislabelled it."""
+  results = os.path.join(REPO, "experiments", "results")
+  kept = [os.path.join(results, d, "result.json") for d in (
+      "h100_bench_decode_1b", "h200_2026-12-04/bench", "cpu_bench_decode_tiny")]
+  seen = _python(_BENCH_DECODE_PLOT, str(tmp_path), *kept)
+  labels = [axes[1]["ylabel"] for _, axes in seen]
+  assert labels == ["GB/s (weights + full KV cache per step)",
+                    "GB/s (weights + live KV per step)", "GB/s (weights + live KV per step)"]
+  with open(kept[0]) as f:
+    per_batch = json.load(f)["decode"]["per_batch"]
+  assert seen[0][1][1]["lines"][0][2] == [r["achieved_bw_bytes_per_s"] / 1e9 for r in per_batch]
