@@ -9,7 +9,11 @@ SIG_TERM_KILL:
   slurm.conf's KillOnBadExit (here FAKE_SRUN_KILL_ON_BAD_EXIT) is 1, the first task to exit
   with a status other than 0 has srun send SIGCONT and SIGTERM to the others, then SIGKILL
   KillWait (FAKE_SRUN_KILL_WAIT, s) later; `--kill-on-bad-exit=0` / `-K0` waits for every
-  task whatever slurm.conf says.
+  task whatever slurm.conf says;
+- signals: slurmstepd sends them to every process of a task (proctrack_g_signal on the step's
+  container, src/slurmd/slurmstepd/req.c), not to the task's first process alone: each task
+  runs in a process group of its own, which a test signals as slurmstepd would (SIGTERM before
+  the time limit, a preemption), and which the kill-on-bad-exit signals go to.
 
 Its arguments are appended to the file FAKE_SRUN_CALLS names, when set."""
 import os
@@ -17,6 +21,14 @@ import signal
 import subprocess
 import sys
 import time
+
+
+def _signal_task(task: subprocess.Popen, sig: int) -> None:
+  """`sig` to every process of a task (its process group), as slurmstepd signals a step."""
+  try:
+    os.killpg(task.pid, sig)
+  except ProcessLookupError:  # (ended meanwhile)
+    pass
 
 
 def main(argv: list[str]) -> int:
@@ -35,7 +47,8 @@ def main(argv: list[str]) -> int:
   if os.environ.get("FAKE_SRUN_CALLS"):
     with open(os.environ["FAKE_SRUN_CALLS"], "a") as f:
       f.write("srun " + " ".join(argv) + "\n")
-  tasks = [subprocess.Popen(command, env=dict(os.environ, SLURM_PROCID=str(t)))
+  tasks = [subprocess.Popen(command, env=dict(os.environ, SLURM_PROCID=str(t)),
+                            start_new_session=True)
            for t in range(int(os.environ.get("FAKE_SRUN_NTASKS", "1")))]
   kill_wait = float(os.environ.get("FAKE_SRUN_KILL_WAIT", "30"))
   terminated_at = None
@@ -45,12 +58,12 @@ def main(argv: list[str]) -> int:
       terminated_at = time.time()
       for t in tasks:
         if t.poll() is None:
-          t.send_signal(signal.SIGCONT)
-          t.send_signal(signal.SIGTERM)
+          _signal_task(t, signal.SIGCONT)
+          _signal_task(t, signal.SIGTERM)
     if terminated_at is not None and time.time() > terminated_at + kill_wait:
       for t in tasks:
         if t.poll() is None:
-          t.kill()
+          _signal_task(t, signal.SIGKILL)
     time.sleep(0.02)
   signals = [-t.returncode for t in tasks if t.returncode < 0]
   return 128 + max(signals) if signals else max(t.returncode for t in tasks)
