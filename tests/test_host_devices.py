@@ -540,7 +540,8 @@ def test_the_slurm_script_requeues_a_stop_whatever_the_sites_kill_on_bad_exit(tm
                         "configs/ppo_tiny.py", str(wd)], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=60)
   assert out.returncode == 75, (out.returncode, out.stderr)
-  assert f"srun --kill-on-bad-exit=0 {fake} -m experiments.train_ppo" in calls.read_text()
+  assert (f"srun --kill-on-bad-exit=0 bash launch/slurm_task.sh {fake} -m experiments.train_ppo"
+          in calls.read_text()), calls.read_text()
   assert "scontrol requeue 31" in calls.read_text(), calls.read_text()
 
 
