@@ -49,3 +49,36 @@ default_python() {
     exit 2
   fi
 }
+
+# abspath PATH: PATH made absolute against where the launcher was started (before it changes to
+# the repository root); an absolute path or a URI (gs://...) as given.
+abspath() { [[ "$1" == /* || "$1" == *://* ]] && echo "$1" || echo "$PWD/$1"; }
+
+# caller_flag_paths ROOT ARGS...: sets FLAG_ARGS to ARGS, with an extra flag's relative path
+# (--config.plan.file=ps/plan.json) made absolute when it names nothing under ROOT (the
+# repository root, where the processes run and read a relative path) and something where the
+# launcher was started, and said on stderr: given from the directory that holds ps/, every
+# process stopped on "No such file" naming ps/plan.json alone. One that names something under
+# ROOT is read there (configs/data/...); one that names nothing in either place is said too,
+# naming both directories (the binary's error names the relative path alone).
+caller_flag_paths() {
+  local root=$1 arg value
+  shift
+  FLAG_ARGS=()
+  for arg in "$@"; do
+    value=${arg#*=}
+    if [[ "$arg" == -*=* && -n "$value" && "$value" != /* && "$value" != *://* &&
+          ! -e "$root/$value" ]]; then
+      if [[ -e "$value" ]]; then
+        arg="${arg%%=*}=$(abspath "$value")"
+        echo "${arg%%=*}=$value: not under the repository root ($root), where the processes" \
+          "read a relative path; read where the launcher was started: ${arg#*=}" >&2
+      elif [[ "$value" == */* ]]; then
+        echo "${arg%%=*}=$value: a relative path, which the processes read (or write) under" \
+          "the repository root ($root); it names nothing there, nor where the launcher was" \
+          "started ($PWD)" >&2
+      fi
+    fi
+    FLAG_ARGS+=("$arg")
+  done
+}

@@ -52,35 +52,14 @@ PORT=${PORT:-$((20000 + RANDOM % 20000))}
 # Paths the caller gave relative to where it runs (the workdir, a config file, an interpreter
 # such as .venv/bin/python) made absolute before the cd below; a config that is not a file here
 # stays as given (configs/X.py[:variant], read from the repository root).
-abspath() { [[ "$1" == /* ]] && echo "$1" || echo "$PWD/$1"; }
 WORKDIR=$(abspath "$WORKDIR")
 if [[ -n "${CONFIG:-}" && -f "${CONFIG%%:*}" ]]; then
   CONFIG="$(abspath "${CONFIG%%:*}")${CONFIG#"${CONFIG%%:*}"}"
 fi
 if [[ "${PYTHON:-}" == */* ]]; then PYTHON=$(abspath "$PYTHON"); fi
-# An extra flag's relative path (--config.plan.file=ps/plan.json) given from another directory,
-# where the file is: the processes looked for it under the repository root and stopped on "No
-# such file" naming ps/plan.json alone. It is the caller's when it names nothing under the root;
-# one that names something there is read there, as before (configs/data/...).
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-args=()
-for arg in "$@"; do
-  value=${arg#*=}
-  if [[ "$arg" == -*=* && -n "$value" && "$value" != /* && "$value" != *://* &&
-        ! -e "$ROOT/$value" ]]; then
-    if [[ -e "$value" ]]; then
-      arg="${arg%%=*}=$(abspath "$value")"
-      echo "${arg%%=*}=$value: not under the repository root ($ROOT), where the processes" \
-        "read a relative path; read where the launcher was started: ${arg#*=}" >&2
-    elif [[ "$value" == */* ]]; then
-      echo "${arg%%=*}=$value: a relative path, which the processes read (or write) under" \
-        "the repository root ($ROOT); it names nothing there, nor where the launcher was" \
-        "started ($PWD)" >&2
-    fi
-  fi
-  args+=("$arg")
-done
-set -- ${args[@]+"${args[@]}"}
+caller_flag_paths "$ROOT" "$@"
+set -- ${FLAG_ARGS[@]+"${FLAG_ARGS[@]}"}
 cd "$ROOT"
 check_binary "$BINARY"
 # The caller's XLA flags stay, any device count replaced by D: the binaries' own rule

@@ -12,7 +12,9 @@
 # hangs alive keeps the others waiting: add --config.guard.iteration_timeout_s=SECONDS (a few
 # times the slowest iteration) and every worker exits 69 with its stacks instead.
 # It runs from the repository root: the workdir and the config file are made absolute first; a
-# relative path inside an extra flag is read from the repository root.
+# relative path inside an extra flag (--config.plan.file=ps/plan.json) is read from the
+# repository root, unless it names nothing there and something where the script was started:
+# then it is made absolute (said on stderr). One that names nothing in either place is said too.
 # BINARY picks experiments/BINARY.py: train_ppo (default; fused with
 # --config.fusion.inter_stage=True) or bench_generation (config: configs/bench_generation.py).
 set -euo pipefail
@@ -20,17 +22,19 @@ CONFIG=${1:?config}; WORKDIR=${2:?workdir (a path every worker sees: gcsfuse mou
 # shellcheck source=launch/checks.sh
 source "$(dirname "${BASH_SOURCE[0]}")/checks.sh"
 default_python
-# Paths relative to where it was started made absolute, then the repository root (python -m
-# experiments.X finds the package there: started elsewhere, every worker failed with "No module
-# named 'experiments'"); a config that is not a file here stays as given (configs/X.py[:variant]).
-abspath() { [[ "$1" == /* || "$1" == *://* ]] && echo "$1" || echo "$PWD/$1"; }
-WORKDIR=$(abspath "$WORKDIR")
-if [[ -f "${CONFIG%%:*}" ]]; then CONFIG="$(abspath "${CONFIG%%:*}")${CONFIG#"${CONFIG%%:*}"}"; fi
-if [[ "${PYTHON:-}" == */* ]]; then PYTHON=$(abspath "$PYTHON"); fi
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
 check_binary "${BINARY:-train_ppo}"
 refuse_set_flags "this script sets it for every process (the config and workdir are its first two\
  arguments; jax.distributed detects the coordinator, process count and index)" "$@"
+# Paths relative to where it was started made absolute, then the repository root (python -m
+# experiments.X finds the package there: started elsewhere, every worker failed with "No module
+# named 'experiments'"); a config that is not a file here stays as given (configs/X.py[:variant]).
+WORKDIR=$(abspath "$WORKDIR")
+if [[ -f "${CONFIG%%:*}" ]]; then CONFIG="$(abspath "${CONFIG%%:*}")${CONFIG#"${CONFIG%%:*}"}"; fi
+if [[ "${PYTHON:-}" == */* ]]; then PYTHON=$(abspath "$PYTHON"); fi
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+caller_flag_paths "$ROOT" "$@"
+set -- ${FLAG_ARGS[@]+"${FLAG_ARGS[@]}"}
+cd "$ROOT"
 # exec: the binary takes this shell's pid, so a signal to the launcher (kill of a nohup'd
 # start) reaches the run, which saves and exits 75 (a child left running held the workdir).
 exec "$PYTHON" -m experiments."${BINARY:-train_ppo}" --config="$CONFIG" \

@@ -217,26 +217,27 @@ def test_the_launcher_reads_relative_paths_where_it_was_started(tmp_path):
   assert not os.path.exists(os.path.join(REPO, "runs", "wd.proc0.log"))
 
 
-def test_the_launcher_reads_a_flags_relative_path_where_it_was_started_if_only_there(tmp_path):
+@pytest.mark.parametrize("script", ["local_multiprocess.sh", "tpu_pod.sh"])
+def test_the_launchers_read_a_flags_relative_path_where_started_if_only_there(tmp_path, script):
   """--config.plan.file=ps/plan.json, given from the directory that holds ps/, was read from
   the repository root (where the processes run) and every process stopped on "No such file"
-  naming ps/plan.json alone. A relative path that names nothing under the root and something
-  where the launcher was started is made absolute, and said; one under the root is read there
-  as before; one found in neither place is said, naming both."""
-  fake = _stand_in(tmp_path / "python", 'echo "ARGS=$*"')
+  naming ps/plan.json alone (tpu_pod.sh: every worker). A relative path that names nothing
+  under the root and something where the launcher was started is made absolute, and said; one
+  under the root is read there as before; one found in neither place is said, naming both."""
+  fake = _stand_in(tmp_path / "python", f'echo "ARGS=$*" >> {tmp_path}/calls')
   (tmp_path / "ps").mkdir()
   (tmp_path / "ps" / "plan.json").write_text("{}")
   (tmp_path / "configs").mkdir()
   (tmp_path / "configs" / "ppo_tiny.py").write_text("")  # also under the root: the root's
-  launcher = os.path.join(REPO, "launch", "local_multiprocess.sh")
   flags = ["--config.plan.file=ps/plan.json", "--config.data.prompts_file=./ps/plan.json",
            "--config.pipeline.schedule_file=configs/ppo_tiny.py", "--config.data.task=repeat",
            "--config.init.tokenizer=nothere/tok.json", "--config.num_iterations=2"]
-  out = subprocess.run(["bash", launcher, "1", "1", "wd", *flags], cwd=tmp_path,
-                       env=dict(os.environ, PYTHON=str(fake), FOLLOW="0"),
+  first = ["1", "1"] if script == "local_multiprocess.sh" else ["configs/ppo_tiny.py"]
+  out = subprocess.run(["bash", os.path.join(REPO, "launch", script), *first, "wd", *flags],
+                       cwd=tmp_path, env=dict(os.environ, PYTHON=str(fake), FOLLOW="0"),
                        capture_output=True, text=True, timeout=60)
   assert out.returncode == 0, out.stderr
-  log = (tmp_path / "wd.proc0.log").read_text()
+  log = (tmp_path / "calls").read_text()
   assert (f"--config.plan.file={tmp_path}/ps/plan.json --config.data.prompts_file={tmp_path}/"
           "./ps/plan.json --config.pipeline.schedule_file=configs/ppo_tiny.py "
           "--config.data.task=repeat --config.init.tokenizer=nothere/tok.json "
