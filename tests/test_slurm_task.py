@@ -36,12 +36,14 @@ def test_a_task_killed_or_aborted_requeues_the_job_within_max_requeues(tmp_path)
   (SIGABRT, 134) or that was killed (SIGKILL, 137: the OOM killer) ended the step with 128 + the
   signal, and the job was not requeued, though only the iterations since the last checkpoint
   were lost. Each task runs under launch/slurm_task.sh, which exits 69 for it: requeued, at most
-  MAX_REQUEUES times (a crash at every start ends the job). A clean exit, a config error (2, or
-  1 from an exception) and a stop after saving (75) keep their meaning; a 75 beside a killed
-  task still requeues without counting."""
+  MAX_REQUEUES times (a crash at every start ends the job), a process's own failure beside a
+  peer aborted for losing it included, as beside a peer's 69. A clean exit, a config error (2,
+  or 1 from an exception) and a stop after saving (75) keep their meaning; a 75 beside a
+  killed task still requeues without counting. A binary that a stop signal killed (no handler,
+  or a second signal) keeps 128 + the signal, not requeued, as before."""
   body = ("import os, signal, sys\n"
           "how = os.environ['HOW'].split()[int(os.environ['SLURM_PROCID'])]\n"
-          "if how in ('ABRT', 'KILL', 'SEGV'):\n"
+          "if how in ('ABRT', 'KILL', 'SEGV', 'TERM'):\n"
           "  os.kill(os.getpid(), getattr(signal, 'SIG' + how))\n"
           "sys.exit(int(how))\n")
   wd = tmp_path / "wd"
@@ -49,21 +51,22 @@ def test_a_task_killed_or_aborted_requeues_the_job_within_max_requeues(tmp_path)
   for how, status, requeued in (
       ("ABRT 69", 69, True), ("0 0", 0, False), ("2 2", 2, False), ("1 1", 1, False),
       ("75 KILL", 75, True), ("KILL KILL", 69, True), ("75 75", 75, True),
-      ("SEGV ABRT", 69, False)):
+      ("75 TERM", 143, False), ("1 ABRT", 69, True), ("SEGV ABRT", 69, False)):
     (tmp_path / "calls").write_text("")
     out = subprocess.run(["bash", SCRIPT, "configs/ppo_tiny.py", str(wd)], cwd=REPO,
-                         env=_slurm_env(tmp_path, body, HOW=how, MAX_REQUEUES="2"),
+                         env=_slurm_env(tmp_path, body, HOW=how, MAX_REQUEUES="3"),
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == status, (how, out.returncode, out.stderr)
     assert ("scontrol requeue 8" in (tmp_path / "calls").read_text()) == requeued, (
         how, out.stderr)
+    assert "ended by SIGTERM" not in out.stderr, out.stderr
     for sig in how.split():
-      if not sig.isdigit():
+      if not sig.isdigit() and sig != "TERM":
         assert (f"ended by SIG{sig} (status {128 + getattr(signal, 'SIG' + sig)}); exiting 69"
                 in out.stderr), (how, out.stderr)
-  # the third start that ended 69 is not requeued: the bound
-  assert "exit 69 again after 2 requeues for it (MAX_REQUEUES=2)" in out.stderr, out.stderr
-  assert (wd / ".slurm_requeues_69.8").read_text() == "2\n"
+  # the fourth start that ended 69 is not requeued: the bound
+  assert "exit 69 again after 3 requeues for it (MAX_REQUEUES=3)" in out.stderr, out.stderr
+  assert (wd / ".slurm_requeues_69.8").read_text() == "3\n"
 
 
 def test_a_stop_signal_reaches_the_binary_once_and_its_75_requeues(tmp_path):
