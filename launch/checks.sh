@@ -55,12 +55,14 @@ default_python() {
 abspath() { [[ "$1" == /* || "$1" == *://* ]] && echo "$1" || echo "$PWD/$1"; }
 
 # caller_flag_paths ROOT ARGS...: sets FLAG_ARGS to ARGS, with an extra flag's relative path
-# (--config.plan.file=ps/plan.json) made absolute when it names nothing under ROOT (the
-# repository root, where the processes run and read a relative path) and something where the
-# launcher was started, and said on stderr: given from the directory that holds ps/, every
+# (--config.plan.file=ps/plan.json, p.jsonl) made absolute when it names nothing under ROOT
+# (the repository root, where the processes run and read a relative path) and something where
+# the launcher was started, and said on stderr: given from the directory that holds ps/, every
 # process stopped on "No such file" naming ps/plan.json alone. One that names something under
 # ROOT is read there (configs/data/...); one that names nothing in either place is said too,
-# naming both directories (the binary's error names the relative path alone).
+# naming both directories (the binary's error names the relative path alone). A bare word (no
+# slash, no dot) is a name as often as a path: --config.reward.kind=model, started beside a
+# model/ folder, became the folder's path and failed validation; it is passed as given, said.
 caller_flag_paths() {
   local root=$1 arg value
   shift
@@ -69,10 +71,14 @@ caller_flag_paths() {
     value=${arg#*=}
     if [[ "$arg" == -*=* && -n "$value" && "$value" != /* && "$value" != *://* &&
           ! -e "$root/$value" ]]; then
-      if [[ -e "$value" ]]; then
+      if [[ -e "$value" && "$value" == *[/.]* ]]; then
         arg="${arg%%=*}=$(abspath "$value")"
         echo "${arg%%=*}=$value: not under the repository root ($root), where the processes" \
           "read a relative path; read where the launcher was started: ${arg#*=}" >&2
+      elif [[ -e "$value" ]]; then
+        echo "$arg: passed as given (a name, or a path the processes read under the" \
+          "repository root, $root); for the one where the launcher was started, give" \
+          "./$value" >&2
       elif [[ "$value" == */* ]]; then
         echo "${arg%%=*}=$value: a relative path, which the processes read (or write) under" \
           "the repository root ($root); it names nothing there, nor where the launcher was" \

@@ -14,8 +14,9 @@
 # and PYTHON are made absolute first; a relative path inside an extra flag
 # (--config.data.prompts_file=p.jsonl) is read from the repository root, unless it names
 # nothing there and something where the launcher was started: then it is made absolute (said
-# on stderr). One that names nothing in either place is said too (the binary's "No such file"
-# names the relative path alone). Logs:
+# on stderr; a bare word, no slash or dot, is passed as given: --config.reward.kind=model). One
+# that names nothing in either place is said too (the binary's "No such file" names the relative
+# path alone). Logs:
 # WORKDIR.proc<i>.log (appended, a header line per start); process 0's is shown here as it is
 # written (FOLLOW=0: not; needs GNU tail), and the end of each failed process's log as soon as
 # it has ended.

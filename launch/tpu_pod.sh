@@ -14,7 +14,8 @@
 # It runs from the repository root: the workdir and the config file are made absolute first; a
 # relative path inside an extra flag (--config.plan.file=ps/plan.json) is read from the
 # repository root, unless it names nothing there and something where the script was started:
-# then it is made absolute (said on stderr). One that names nothing in either place is said too.
+# then it is made absolute (said on stderr; a bare word, no slash or dot, is passed as given:
+# --config.reward.kind=model). One that names nothing in either place is said too.
 # BINARY picks experiments/BINARY.py: train_ppo (default; fused with
 # --config.fusion.inter_stage=True) or bench_generation (config: configs/bench_generation.py).
 set -euo pipefail

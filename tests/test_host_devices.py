@@ -223,15 +223,20 @@ def test_the_launchers_read_a_flags_relative_path_where_started_if_only_there(tm
   the repository root (where the processes run) and every process stopped on "No such file"
   naming ps/plan.json alone (tpu_pod.sh: every worker). A relative path that names nothing
   under the root and something where the launcher was started is made absolute, and said; one
-  under the root is read there as before; one found in neither place is said, naming both."""
+  under the root is read there as before; one found in neither place is said, naming both. A
+  bare word is passed as given, said: --config.reward.kind=model, started beside a model/
+  folder, became that folder's path."""
   fake = _stand_in(tmp_path / "python", f'echo "ARGS=$*" >> {tmp_path}/calls')
   (tmp_path / "ps").mkdir()
   (tmp_path / "ps" / "plan.json").write_text("{}")
+  (tmp_path / "p.jsonl").write_text("")
+  (tmp_path / "model").mkdir()
   (tmp_path / "configs").mkdir()
   (tmp_path / "configs" / "ppo_tiny.py").write_text("")  # also under the root: the root's
   flags = ["--config.plan.file=ps/plan.json", "--config.data.prompts_file=./ps/plan.json",
            "--config.pipeline.schedule_file=configs/ppo_tiny.py", "--config.data.task=repeat",
-           "--config.init.tokenizer=nothere/tok.json", "--config.num_iterations=2"]
+           "--config.init.tokenizer=nothere/tok.json", "--config.num_iterations=2",
+           "--config.reward.kind=model", "--config.data.val_file=p.jsonl"]
   first = ["1", "1"] if script == "local_multiprocess.sh" else ["configs/ppo_tiny.py"]
   out = subprocess.run(["bash", os.path.join(REPO, "launch", script), *first, "wd", *flags],
                        cwd=tmp_path, env=dict(os.environ, PYTHON=str(fake), FOLLOW="0"),
@@ -241,13 +246,17 @@ def test_the_launchers_read_a_flags_relative_path_where_started_if_only_there(tm
   assert (f"--config.plan.file={tmp_path}/ps/plan.json --config.data.prompts_file={tmp_path}/"
           "./ps/plan.json --config.pipeline.schedule_file=configs/ppo_tiny.py "
           "--config.data.task=repeat --config.init.tokenizer=nothere/tok.json "
-          "--config.num_iterations=2") in log, log
+          f"--config.num_iterations=2 --config.reward.kind=model "
+          f"--config.data.val_file={tmp_path}/p.jsonl") in log, log
   assert (f"--config.plan.file=ps/plan.json: not under the repository root ({REPO}), where "
           "the processes read a relative path; read where the launcher was started: "
           f"{tmp_path}/ps/plan.json") in out.stderr, out.stderr
   assert (f"--config.init.tokenizer=nothere/tok.json: a relative path, which the processes "
           f"read (or write) under the repository root ({REPO}); it names nothing there, nor "
           f"where the launcher was started ({tmp_path})") in out.stderr, out.stderr
+  assert ("--config.reward.kind=model: passed as given (a name, or a path the processes read "
+          f"under the repository root, {REPO}); for the one where the launcher was started, "
+          "give ./model") in out.stderr, out.stderr
   assert "schedule_file" not in out.stderr and "data.task" not in out.stderr, out.stderr
 
 
