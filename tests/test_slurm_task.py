@@ -41,9 +41,10 @@ def test_a_task_killed_or_aborted_requeues_the_job_within_max_requeues(tmp_path)
   or 1 from an exception) and a stop after saving (75) keep their meaning; a 75 beside a
   killed task still requeues without counting. A binary that a stop signal killed (no handler,
   or a second signal) keeps 128 + the signal, not requeued, as before."""
-  body = ("import os, signal, sys\n"
+  body = ("import os, resource, signal, sys\n"
           "how = os.environ['HOW'].split()[int(os.environ['SLURM_PROCID'])]\n"
           "if how in ('ABRT', 'KILL', 'SEGV', 'TERM'):\n"
+          "  resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # (no core file in the checkout)\n"
           "  os.kill(os.getpid(), getattr(signal, 'SIG' + how))\n"
           "sys.exit(int(how))\n")
   wd = tmp_path / "wd"
