@@ -1214,8 +1214,8 @@ class PPOTrainer:
           f"{len(scores)} exceed {limit:.2g} in magnitude (first: sample {i}, "
           f"{float(scores[i]):.3g}), and their squares (the critic's loss, the gradient norm "
           f"of an estimator that does not normalise) overflow; scale the reward "
-          f"(config.reward.function / reward.format_weight) into a smaller range rather than "
-          f"the learning rate")
+          f"(config.reward.function / reward.format_weight) into a smaller range, or bound it "
+          f"with config.reward.clip_range (e.g. '-10,10'), rather than the learning rate")
     if last is None:  # nothing to resume: a re-run starts over, with any values
       return NonFiniteError(
           f"{kept}: re-run with a lower optim.actor_lr / optim.critic_lr or optim.grad_clip (it "
