@@ -438,20 +438,9 @@ def smaller_hosts_refusing(wl, plan: dict, host_devices: int) -> dict:
   return out
 
 
-def main(argv):
-  del argv
-  logging.set_verbosity(logging.INFO)
-  check_unread_overrides(_CONFIG.value.get("train_config", ""),
-                         config_flags.get_override_values(flags.FLAGS["config"]))
-  # `systems` "" (none): the plan search alone, without the systems' comparison.
-  cfg = ablations.AblationConfig.from_config_dict(_CONFIG.value, systems_optional=True)
-  # The checks that need no search come before start_outputs: a refused value left the earlier
-  # run's outputs moved to previous/<n> and a config.json of a run that never ran.
-  top_k = _CONFIG.value.top_k
-  if not isinstance(top_k, int) or top_k < 1:
-    raise ValueError(f"config.top_k={top_k!r}: expected an integer >= 1 (plans to report)")
-  devices_per_host = _CONFIG.value.get("devices_per_host", 0)
-  check_devices_per_host(devices_per_host, cfg.num_devices)
+def _train_inputs(cfg: ablations.AblationConfig) -> tuple:
+  """(spec, path, overrides, train_dict, run) of the run planned for (config.train_config or
+  --run_config; all empty or None without one), its config checked as the trainer would."""
   spec = path = _CONFIG.value.get("train_config", "")
   overrides = ""
   if _RUN_CONFIG.value is not None:
@@ -470,41 +459,46 @@ def main(argv):
     # they name config.<field>: the user typed --run_config.<field>
     kind = FileNotFoundError if isinstance(e, FileNotFoundError) else ValueError
     raise kind(f"--run_config (config.<field> is --run_config.<field> here): {e}") from None
-  # config.calibration checked before the outputs start, against the actor simulated: the run's
-  # (train_run's resolved config: a checkpoint's shape) or the preset pairs'
-  actor_params = None if run is None else [shapes.from_model_config(run[1].model,
-                                                                    "actor").num_params()]
-  cost, accept = with_host(ablations.cost_model(cfg, actor_params), devices_per_host), None
-  workdir = _WORKDIR.value
-  wd.start_outputs(workdir, _CONFIG.value,
-                   ("result.json", "plan.json", "plan_search.md", "lengths"))
-  if spec:
-    setting, wl, accept = trainer_setting(cfg, path, overrides, train_dict, workdir, run)
-    from rlhfuse_jax.trainer import sim_plan  # pylint: disable=import-outside-toplevel
-    given, given_k = cfg.sim.offload_optimizer, cfg.sim.staleness
-    cfg = dataclasses.replace(cfg, sim=sim_plan.sim_options(cfg.sim, run[1]))
-    if cfg.sim.staleness != given_k:
-      logging.info("sim.staleness=%d, the run's async_ppo.staleness (the config said %d): its "
-                   "asynchronous splits are searched at the run's k", cfg.sim.staleness, given_k)
-    if cfg.sim.offload_optimizer != given or cfg.sim.offload_optimizer:
-      logging.info("sim.offload_optimizer=%s, the run's optim.offload_during_rollout%s: "
-                   "generation and inference are searched beside the trained models' weights%s",
-                   cfg.sim.offload_optimizer,
-                   "" if cfg.sim.offload_optimizer == given else f" (the config said {given})",
-                   "" if cfg.sim.offload_optimizer else " and AdamW state")
-  else:
-    setting = cfg.settings()[0]
-    wl = ablations.workload(cfg, setting)
-    # Which models it planned, and sequences longer than a model's context (as
-    # reproduce_ablations warns of them): neither output said either, but for the names.
-    setting["models"] = {role: {**shape.to_dict(), "source": cfg.shape_source(setting[role])}
-                         for role, shape in (("actor", wl.actor), ("critic", wl.critic))}
-    setting["context_warnings"] = ablations.context_warnings(cfg)
-    for line in setting["context_warnings"]:
-      logging.warning("sequences longer than a model's context: %s", line)
-  res = plan_search.search(cost, wl, cfg.sim, top_k=top_k, log=logging.info,
-                           staleness=cfg.sim.staleness, split_unit=cfg.sim.async_split_unit,
-                           accept=accept)
+  return spec, path, overrides, train_dict, run
+
+
+def _with_run_sim_options(cfg: ablations.AblationConfig, run) -> ablations.AblationConfig:
+  """`cfg` with the run's staleness and optimizer offload as its sim options (the run is what
+  the plan is for), each change from the config's own value logged."""
+  from rlhfuse_jax.trainer import sim_plan  # pylint: disable=import-outside-toplevel
+  given, given_k = cfg.sim.offload_optimizer, cfg.sim.staleness
+  cfg = dataclasses.replace(cfg, sim=sim_plan.sim_options(cfg.sim, run[1]))
+  if cfg.sim.staleness != given_k:
+    logging.info("sim.staleness=%d, the run's async_ppo.staleness (the config said %d): its "
+                 "asynchronous splits are searched at the run's k", cfg.sim.staleness, given_k)
+  if cfg.sim.offload_optimizer != given or cfg.sim.offload_optimizer:
+    logging.info("sim.offload_optimizer=%s, the run's optim.offload_during_rollout%s: "
+                 "generation and inference are searched beside the trained models' weights%s",
+                 cfg.sim.offload_optimizer,
+                 "" if cfg.sim.offload_optimizer == given else f" (the config said {given})",
+                 "" if cfg.sim.offload_optimizer else " and AdamW state")
+  return cfg
+
+
+def _preset_setting(cfg: ablations.AblationConfig) -> tuple:
+  """(setting, workload) of the config's one preset setting, the setting naming the models
+  planned and the sequences longer than a model's context (each also logged)."""
+  setting = cfg.settings()[0]
+  wl = ablations.workload(cfg, setting)
+  # Which models it planned, and sequences longer than a model's context (as
+  # reproduce_ablations warns of them): neither output said either, but for the names.
+  setting["models"] = {role: {**shape.to_dict(), "source": cfg.shape_source(setting[role])}
+                       for role, shape in (("actor", wl.actor), ("critic", wl.critic))}
+  setting["context_warnings"] = ablations.context_warnings(cfg)
+  for line in setting["context_warnings"]:
+    logging.warning("sequences longer than a model's context: %s", line)
+  return setting, wl
+
+
+def _compare_systems(cfg: ablations.AblationConfig, cost: CostModel, wl, res: dict) -> tuple:
+  """(systems, error): config.systems simulated on the workload for the report's comparison
+  ({name: its times}), and why that failed (None if it did not): an extra the search's results
+  are written without."""
   systems = {}
   compared = list(cfg.systems)
   if res["best"] is None and compared:
@@ -543,11 +537,18 @@ def main(argv):
     systems = {k: {f: float(r[f]) for f in ("gen_plus_inf_s", "train_s", "reshard_s",
                                              "iteration_s")}
                for k, r in rows.items()}
-  # best None: no synchronous plan fits, only asynchronous splits (plan_search.search)
-  best = None if res["best"] is None else {
-      **res["best"], "predicted_iteration_s": res["best"]["predicted"]["iteration_s"]}
-  uniform = None if res["uniform"] is None else {
-      **res["uniform"], "predicted_iteration_s": res["uniform"]["predicted"]["iteration_s"]}
+  return systems, systems_error
+
+
+def _with_predicted_s(entry: Optional[dict]) -> Optional[dict]:
+  """A searched plan as result.json records it: its predicted iteration seconds on top."""
+  return None if entry is None else {
+      **entry, "predicted_iteration_s": entry["predicted"]["iteration_s"]}
+
+
+def _plan_json_choice(wl, res: dict) -> tuple:
+  """(plan, which, asynchronous): the plan plan.json holds, whether it is the "synchronous" or
+  the "asynchronous" one, and the asynchronous split's result.json entry (None without one)."""
   plan, which, asynchronous = res["best"], "synchronous", None
   if "async" in res:
     a = res["async"]
@@ -559,17 +560,19 @@ def main(argv):
     # synchronous plan run so, plan_json_choice)
     if plan_search.plan_json_choice(wl, res["best"], ab) == "asynchronous":
       plan, which = ab, "asynchronous"
-  if uniform is not None and uniform["predicted_iteration_s"] < plan["predicted"]["iteration_s"]:
-    logging.warning("the uniform layout %s (%ss) is predicted faster than plan.json's %s plan "
-                    "(%ss), which is the best per-stage combination (plan_search.md)",
-                    uniform["layout"], _s(uniform["predicted_iteration_s"]), which,
-                    _s(plan["predicted"]["iteration_s"]))
+  return plan, which, asynchronous
+
+
+def _warn_if_trainer_refuses(cfg: ablations.AblationConfig, cost: CostModel, wl, plan: dict,
+                             for_trainer: bool) -> None:
+  """Logs why train_ppo would refuse plan.json: on any process (a warning) or, `for_trainer`
+  (a run's plan), on processes driving fewer devices than the hardware's host (info)."""
   refusal = plan_search.trainer_refusal(wl, plan, cost.hw.host_devices)
   if refusal:
     logging.warning("plan.json (%s) is not one train_ppo runs: %s; "
                     "--config.sim.trainer_runnable=True keeps the search to plans it runs",
                     plan["summary"], refusal)
-  elif (spec or cfg.sim.trainer_runnable) and not devices_per_host:
+  elif for_trainer:
     # The run's processes may drive fewer devices than the hardware's host (a local run of
     # launch/local_multiprocess.sh 2 4): train_ppo then refuses the plan at set-up.
     smaller = smaller_hosts_refusing(wl, plan, cost.hw.host_devices)
@@ -583,6 +586,50 @@ def main(argv):
           "--config.devices_per_host=D", plan["summary"], cost.hw.host_devices, cfg.hardware,
           " or ".join(map(str, smaller)) + (" device" if list(smaller) == [1] else " devices"),
           h, smaller[h])
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.INFO)
+  check_unread_overrides(_CONFIG.value.get("train_config", ""),
+                         config_flags.get_override_values(flags.FLAGS["config"]))
+  # `systems` "" (none): the plan search alone, without the systems' comparison.
+  cfg = ablations.AblationConfig.from_config_dict(_CONFIG.value, systems_optional=True)
+  # The checks that need no search come before start_outputs: a refused value left the earlier
+  # run's outputs moved to previous/<n> and a config.json of a run that never ran.
+  top_k = _CONFIG.value.top_k
+  if not isinstance(top_k, int) or top_k < 1:
+    raise ValueError(f"config.top_k={top_k!r}: expected an integer >= 1 (plans to report)")
+  devices_per_host = _CONFIG.value.get("devices_per_host", 0)
+  check_devices_per_host(devices_per_host, cfg.num_devices)
+  spec, path, overrides, train_dict, run = _train_inputs(cfg)
+  # config.calibration checked before the outputs start, against the actor simulated: the run's
+  # (train_run's resolved config: a checkpoint's shape) or the preset pairs'
+  actor_params = None if run is None else [shapes.from_model_config(run[1].model,
+                                                                    "actor").num_params()]
+  cost, accept = with_host(ablations.cost_model(cfg, actor_params), devices_per_host), None
+  workdir = _WORKDIR.value
+  wd.start_outputs(workdir, _CONFIG.value,
+                   ("result.json", "plan.json", "plan_search.md", "lengths"))
+  if spec:
+    setting, wl, accept = trainer_setting(cfg, path, overrides, train_dict, workdir, run)
+    cfg = _with_run_sim_options(cfg, run)
+  else:
+    setting, wl = _preset_setting(cfg)
+  res = plan_search.search(cost, wl, cfg.sim, top_k=top_k, log=logging.info,
+                           staleness=cfg.sim.staleness, split_unit=cfg.sim.async_split_unit,
+                           accept=accept)
+  systems, systems_error = _compare_systems(cfg, cost, wl, res)
+  # best None: no synchronous plan fits, only asynchronous splits (plan_search.search)
+  best, uniform = _with_predicted_s(res["best"]), _with_predicted_s(res["uniform"])
+  plan, which, asynchronous = _plan_json_choice(wl, res)
+  if uniform is not None and uniform["predicted_iteration_s"] < plan["predicted"]["iteration_s"]:
+    logging.warning("the uniform layout %s (%ss) is predicted faster than plan.json's %s plan "
+                    "(%ss), which is the best per-stage combination (plan_search.md)",
+                    uniform["layout"], _s(uniform["predicted_iteration_s"]), which,
+                    _s(plan["predicted"]["iteration_s"]))
+  _warn_if_trainer_refuses(cfg, cost, wl, plan,
+                           bool(spec or cfg.sim.trainer_runnable) and not devices_per_host)
   # The hardware's values, not only its name: a file of one's own (--config.hardware=FILE.json)
   # may change after the search.
   hardware = cost.hw.to_dict()
