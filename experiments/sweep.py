@@ -1132,27 +1132,8 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
       this_start = time.time() - start
       rows.append(_ended(row, rc, run_dir, earlier_s + this_start, signals.signum,
                          verdict=VERDICT_EXITS.get((binary, rc), "")))
-      recorded = recorded_wall_s(run_dir) if binary == "train_ppo" else None
-      if recorded is not None:
-        # What the run itself recorded of its starts that trained: also one the sweep never
-        # timed (killed with a sweep killed by kill -9), and no start that trained nothing.
-        row["wall_s"] = recorded
-      elif resumes and nothing_trained(before, row):
-        # A finished run re-started (the sweep run again to refresh its summary) found nothing to
-        # train: its wall_s stays its training's (it grew by a start's set-up on every re-run).
-        row["wall_s"] = before["wall_s"]
-      elif resumes and _newest_checkpoint(run_dir) == newest:
-        # A start that saved nothing (a resume refused for a changed config, a crash before
-        # its first save) trained nothing the run keeps: wall_s sums the starts that trained.
-        row["wall_s"] = round(earlier_s, 2)
-      if (row["status"] == "ok" and (changed or {}).get(name) and newest is not None and
-          _newest_checkpoint(run_dir) == newest):
-        # A finished run started with a changed resume_changes field trains nothing: its row
-        # showed the new value (actor_lr=0.01) beside figures no iteration of it made.
-        row["status"] = (f"ok (finished earlier; the changed {', '.join(changed[name])} "
-                         "trained no iteration)")
-      if row["status"].startswith("failed") and str(before.get("status", "")).startswith("ok"):
-        row = rows[-1] = finished_row_kept(before, row)
+      row = rows[-1] = _settled_row(row, binary, run_dir, before, newest, earlier_s,
+                                    (changed or {}).get(name))
       if row["status"].startswith("ok") and inputs is not None:  # for kept_row
         wd.write_json(os.path.join(run_dir, INPUTS_FILE), inputs)
       summary(rows)  # partial summaries survive an interrupted sweep
@@ -1170,16 +1151,54 @@ def _run_locked(binary: str, config: str, workdir: str, passthrough: Sequence[st
       logging.warning("sweep: %s", summary(rows))
     raise
   if not dry_run:
-    status = summary(rows)
-    ok = sum(str(r.get("status", "")).startswith("ok") for r in rows)
-    curves = plot_curves(workdir, override_keys)
-    logging.info("%d of %d run(s) ok; summary: %s%s", ok, len(rows),
-                 os.path.join(workdir, "summary.md"), f", curves: {curves}" if curves else "")
-    if isinstance(status, str):  # the whole sweep's, earlier starts' rows included
-      logging.info("sweep: %s", status)
+    _log_sweep_end(workdir, rows, summary, override_keys)
   complete = not signals.signum and len(rows) == len(runs) and not any(
       r.get("status", "").startswith("stopped") for r in rows)
   return rows, complete
+
+
+def _settled_row(row: dict, binary: str, run_dir: str, before: dict, newest: Optional[int],
+                 earlier_s: float, changed_fields) -> dict:
+  """The row of a run that has just ended (`row`, _ended's) as the summary keeps it: its wall_s
+  summed over the starts that trained, and what a start that trained nothing left of the run's
+  earlier figures (`before`: its earlier row; `newest`: its newest checkpoint then, None
+  without one)."""
+  resumes = newest is not None
+  recorded = recorded_wall_s(run_dir) if binary == "train_ppo" else None
+  if recorded is not None:
+    # What the run itself recorded of its starts that trained: also one the sweep never
+    # timed (killed with a sweep killed by kill -9), and no start that trained nothing.
+    row["wall_s"] = recorded
+  elif resumes and nothing_trained(before, row):
+    # A finished run re-started (the sweep run again to refresh its summary) found nothing to
+    # train: its wall_s stays its training's (it grew by a start's set-up on every re-run).
+    row["wall_s"] = before["wall_s"]
+  elif resumes and _newest_checkpoint(run_dir) == newest:
+    # A start that saved nothing (a resume refused for a changed config, a crash before
+    # its first save) trained nothing the run keeps: wall_s sums the starts that trained.
+    row["wall_s"] = round(earlier_s, 2)
+  if (row["status"] == "ok" and changed_fields and newest is not None and
+      _newest_checkpoint(run_dir) == newest):
+    # A finished run started with a changed resume_changes field trains nothing: its row
+    # showed the new value (actor_lr=0.01) beside figures no iteration of it made.
+    row["status"] = (f"ok (finished earlier; the changed {', '.join(changed_fields)} "
+                     "trained no iteration)")
+  if row["status"].startswith("failed") and str(before.get("status", "")).startswith("ok"):
+    row = finished_row_kept(before, row)
+  return row
+
+
+def _log_sweep_end(workdir: str, rows: list[dict], summary, override_keys: Sequence[str]
+                   ) -> None:
+  """Writes the sweep's summary and curves and logs where they are and how many runs were ok:
+  the line a finished sweep ends on."""
+  status = summary(rows)
+  ok = sum(str(r.get("status", "")).startswith("ok") for r in rows)
+  curves = plot_curves(workdir, override_keys)
+  logging.info("%d of %d run(s) ok; summary: %s%s", ok, len(rows),
+               os.path.join(workdir, "summary.md"), f", curves: {curves}" if curves else "")
+  if isinstance(status, str):  # the whole sweep's, earlier starts' rows included
+    logging.info("sweep: %s", status)
 
 
 def finished_row_kept(before: dict, row: dict) -> dict:
