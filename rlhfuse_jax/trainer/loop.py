@@ -312,42 +312,14 @@ class PPOTrainer:
                         hf_export.export_pending(self.workdir, cfg, self.finished_at))
 
   def _setup(self, cfg: TrainConfig, mesh: Optional[jax.sharding.Mesh]) -> None:
+    """Builds what the run needs, in the order it needs it (each step a method saying why);
+    a finished run builds nothing, an export only the models."""
     self.stopped_by_signal: Optional[int] = None  # the signal that stopped run(), if any
     self.trained_to: Optional[int] = None  # the iteration run() left the state at
     self.checkpoints = hooks.Checkpoints(self.workdir, cfg, cfg.fingerprint(),
                                          ran_before_fields(cfg))
     self.cfg = cfg
-    # Every process reads the workdir itself: a host whose view of the shared filesystem
-    # differs (a stale directory listing, a workdir not on the shared mount) would restore
-    # another checkpoint, or none, and the run would go on from a mix of states; and a read
-    # that fails on that host alone would leave the others waiting for it. So every process
-    # compares what it read (or that it failed: -2) before anything else.
-    failed = None
-    try:
-      self.checkpoints.checkpointer.raise_if_unwritable()  # process 0's probe: all stop
-      self._read_start(cfg)
-    except Exception as e:  # pylint: disable=broad-except  raised below, after the comparison
-      failed = e
-    distributed.check_same_over_processes(
-        (-2, 0) if failed is not None else
-        (-1 if self.resume_step is None else self.resume_step, self.export_only),
-        f"where to start in {self.workdir} (checkpoint step, -1: none, -2: reading the "
-        "checkpoints failed, that process's log says why; export only)",
-        ": each reads the workdir's checkpoints itself, so their hosts see different files "
-        "there; check that it is on a filesystem every host shares, as the same path",
-        failed=failed)
-    hooks.agree_setup_signal()  # a signal so far, on any process: all stop here
-    if self.resume_step is None:  # (agreed above: every process is here, or none)
-      # A start that left no checkpoint (stopped early, failed) left its metrics and config:
-      # kept aside rather than truncated by this fresh start. Process 0 moves them; if that
-      # fails (permissions, a full disk) every process stops, not process 0 alone.
-      kept = distributed.run_on_main_process(
-          lambda: wd.set_aside_earlier_start(self.workdir),
-          f"process 0 could not set aside the earlier start's outputs in {self.workdir} (its "
-          "log says why)")
-      if kept:
-        logging.warning("workdir %s holds an earlier start's outputs but no checkpoint: they "
-                        "are kept in %s; this run starts at iteration 0", self.workdir, kept)
+    self._agree_start(cfg)
     if self.export_only:
       logging.warning("the run is finished at iteration %d but %s does not hold its actor: "
                       "building the model to export it", self.finished_at,
@@ -365,27 +337,9 @@ class PPOTrainer:
     critic_restored = self.resume_step is not None
     self.cfg = cfg = build.resolve_config(cfg, self.tokenizer, weights=weights,
                                           critic_weights=weights and not critic_restored)
-    if cfg.plan.file:  # a plan searched for another model or batch: before any check stops it
-      # (its prompts file compared by the digest the resume check took: not read again)
-      note = plan_file_lib.plan_workload_note(cfg.plan.file, cfg,
-                                              build.reward_model_config(cfg, weights),
-                                              self.checkpoints.inputs)
-      if note:
-        (logging.warning if note[0] else logging.info)("%s", note[1])
+    self._note_plan_workload(cfg, weights)
     self._make_meshes(cfg, mesh)
-    try:
-      validate(cfg, self.mesh, generation_devices=self.gen_mesh.devices.size, weights=weights)
-    except ValueError as e:  # a value the plan file set, not the user: the error says so
-      said = plan_file_lib.attribute_to_plan(str(e), cfg.plan.file)
-      if said != str(e):
-        raise ValueError(said) from None
-      raise
-    if cfg.optim.offload_during_rollout and not mesh_lib.has_host_memory(self.mesh):
-      local = mesh_lib.first_local_device(self.mesh)
-      raise ValueError(
-          f"config.optim.offload_during_rollout=True: expected devices with host memory (jax "
-          f"memory kind {mesh_lib.HOST_MEMORY!r}); the {local.platform} devices here have "
-          f"{[m.kind for m in local.addressable_memories()]}")
+    self._check_config(cfg, weights)
     if cfg.plan.file:  # what the file changed is otherwise visible only in config.json
       logging.info("setup: %s", plan_file_lib.plan_file_summary(cfg.plan.file, cfg))
     t0 = time.time()
@@ -423,6 +377,79 @@ class PPOTrainer:
     elif self.moves_weights:  # the serial stage scores on the generation group's mesh
       models.frozen_to_mesh(cfg, self.gen_mesh)
     logging.info("setup: models and update ready in %.1fs", time.time() - t0)
+    self._make_rollout_stage(cfg, models)
+    self.checkpoints.state_fn = self._state
+    self.checkpoints.meta_fn = self._meta
+    self._compiled_update = False  # the first update call (compiles) is timed and logged
+    self._make_rescorers(cfg)
+
+  def _agree_start(self, cfg: TrainConfig) -> None:
+    """Reads where the run starts (_read_start) on every process and stops all of them unless
+    they agree; a fresh start then sets aside an earlier start's outputs."""
+    # Every process reads the workdir itself: a host whose view of the shared filesystem
+    # differs (a stale directory listing, a workdir not on the shared mount) would restore
+    # another checkpoint, or none, and the run would go on from a mix of states; and a read
+    # that fails on that host alone would leave the others waiting for it. So every process
+    # compares what it read (or that it failed: -2) before anything else.
+    failed = None
+    try:
+      self.checkpoints.checkpointer.raise_if_unwritable()  # process 0's probe: all stop
+      self._read_start(cfg)
+    except Exception as e:  # pylint: disable=broad-except  raised below, after the comparison
+      failed = e
+    distributed.check_same_over_processes(
+        (-2, 0) if failed is not None else
+        (-1 if self.resume_step is None else self.resume_step, self.export_only),
+        f"where to start in {self.workdir} (checkpoint step, -1: none, -2: reading the "
+        "checkpoints failed, that process's log says why; export only)",
+        ": each reads the workdir's checkpoints itself, so their hosts see different files "
+        "there; check that it is on a filesystem every host shares, as the same path",
+        failed=failed)
+    hooks.agree_setup_signal()  # a signal so far, on any process: all stop here
+    if self.resume_step is None:  # (agreed above: every process is here, or none)
+      # A start that left no checkpoint (stopped early, failed) left its metrics and config:
+      # kept aside rather than truncated by this fresh start. Process 0 moves them; if that
+      # fails (permissions, a full disk) every process stops, not process 0 alone.
+      kept = distributed.run_on_main_process(
+          lambda: wd.set_aside_earlier_start(self.workdir),
+          f"process 0 could not set aside the earlier start's outputs in {self.workdir} (its "
+          "log says why)")
+      if kept:
+        logging.warning("workdir %s holds an earlier start's outputs but no checkpoint: they "
+                        "are kept in %s; this run starts at iteration 0", self.workdir, kept)
+
+  def _note_plan_workload(self, cfg: TrainConfig, weights: bool) -> None:
+    """Logs how the workload plan.file was searched for differs from this run's (a warning
+    where it matters), before any check can stop the run."""
+    if not cfg.plan.file:
+      return
+    # (its prompts file compared by the digest the resume check took: not read again)
+    note = plan_file_lib.plan_workload_note(cfg.plan.file, cfg,
+                                            build.reward_model_config(cfg, weights),
+                                            self.checkpoints.inputs)
+    if note:
+      (logging.warning if note[0] else logging.info)("%s", note[1])
+
+  def _check_config(self, cfg: TrainConfig, weights: bool) -> None:
+    """Raises for a config the meshes cannot run (validate; an error caused by plan.file says
+    so) or optimizer offload without host memory."""
+    try:
+      validate(cfg, self.mesh, generation_devices=self.gen_mesh.devices.size, weights=weights)
+    except ValueError as e:  # a value the plan file set, not the user: the error says so
+      said = plan_file_lib.attribute_to_plan(str(e), cfg.plan.file)
+      if said != str(e):
+        raise ValueError(said) from None
+      raise
+    if cfg.optim.offload_during_rollout and not mesh_lib.has_host_memory(self.mesh):
+      local = mesh_lib.first_local_device(self.mesh)
+      raise ValueError(
+          f"config.optim.offload_during_rollout=True: expected devices with host memory (jax "
+          f"memory kind {mesh_lib.HOST_MEMORY!r}); the {local.platform} devices here have "
+          f"{[m.kind for m in local.addressable_memories()]}")
+
+  def _make_rollout_stage(self, cfg: TrainConfig, models) -> None:
+    """The sampling settings and the rollout stage, which owns the frozen models from here,
+    and async PPO's (empty) in-flight batches."""
     self.sampling = SamplingConfig(
         temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
         max_new_tokens=cfg.rollout.max_new_tokens, eos_id=self.tokenizer.eos_id,
@@ -446,6 +473,10 @@ class PPOTrainer:
     # each checkpoint (trainer/async_ppo.py).
     self.in_flight: dict[int, async_lib.Generated] = {}
     self._weights_to_generation_s = 0.0
+
+  def _make_rescorers(self, cfg: TrainConfig) -> None:
+    """The scorers that score batches again on the training side: async PPO's rescoring and
+    the update's old log-probs, in mini-batch or log-prob-row sized pieces."""
     # Async PPO scores each batch again on the training devices (the current actor's log-probs,
     # the current critic's values), in mini-batch sized pieces: on the training mesh, or its
     # folded form when the serial rollout runs there.
@@ -454,9 +485,6 @@ class PPOTrainer:
     self._rescore_params = self._to_generation if on_folded else self.model_params
     self._rescorer = scoring.Scorer(self.gen_mesh if on_folded else self.mesh,
                                     micro_batch_size=cfg.algo.minibatch_size)
-    self.checkpoints.state_fn = self._state
-    self.checkpoints.meta_fn = self._meta
-    self._compiled_update = False  # the first update call (compiles) is timed and logged
     # algo.old_logp: the update's old log-probs from the training forward (synchronous runs;
     # asynchronously the generating policy is gone, config.py), resolved and sized by
     # AlgoConfig (experiments/plan_check compiles this pass, and async PPO's proximal one, from
