@@ -116,3 +116,26 @@ def test_a_checkpoint_from_before_clip_range_resumes_unchanged_and_a_clamp_is_na
   assert "--config.checkpoint.resume_changes=reward.clip_range" in (
       config_lib.resume_advice(changes))
   assert config_lib.split_resume_changes(changes, {"reward.clip_range"}) == (changes, [])
+
+
+def test_the_guard_judges_the_clamped_rewards_that_trained(tmp_path):
+  """Rewards of +-1e30 clamped to [-10, 10] train: an update's NaN (here a learning rate of
+  1e38) was blamed on the unclamped rewards, "too large for float32 arithmetic", with the advice
+  to bound them with the clamp already set, rather than on the learning rate. A clamp too wide
+  to help names the clamped rewards and says to narrow it."""
+  over = {"num_iterations": 1, "reward.function": "tests.test_reward_clip:huge_reward",
+          "algo.kl_coef": 0.0}
+  lr = {"optim.actor_lr": 1e38, "optim.critic_lr": 1e38}
+  with pytest.raises(loop.NonFiniteError) as e:
+    PPOTrainer(tiny_config(**over, **lr, **{"reward.clip_range": "-10,10"}),
+               str(tmp_path / "lr")).run()
+  assert "re-run with a lower optim.actor_lr / optim.critic_lr" in str(e.value), e.value
+  assert "too large for float32" not in str(e.value), e.value
+  with pytest.raises(loop.NonFiniteError, match=(
+      r"^iteration 1: non-finite values: the rollout's rewards overflow float32 once squared, "
+      r"before any update.* The batch's rewards \(clamped by reward\.clip_range\) are too large "
+      r"for float32 arithmetic: 16 of 16 exceed 1\.9e\+18 in magnitude \(first: sample 0, "
+      r"-?1e\+25\).*, or narrow config\.reward\.clip_range='-1e\+25,1e\+25', rather than the "
+      r"learning rate$")):
+    PPOTrainer(tiny_config(**over, **{"reward.clip_range": "-1e25,1e25"}),
+               str(tmp_path / "wide")).run()

@@ -1208,7 +1208,11 @@ class PPOTrainer:
                  scores=None) -> NonFiniteError:
     """The guard's error; `rollout_source`: the rollout itself was not finite (its source
     named), so the advice is to check the inputs, not to lower the learning rate; `scores`:
-    the batch's rewards, named instead of the learning rate when their squares overflow."""
+    the batch's rewards, named instead of the learning rate when their squares overflow: as
+    config.reward.clip_range clamps them, what trains (rewards of 1e30 clamped to 10 were named
+    as the cause of an update's NaN, and a clamp too wide to help was advised again)."""
+    if scores is not None:
+      scores = clipped_scores(scores, self.cfg.reward.clip_bounds)[0]
     last = self.checkpoints.latest_step()
     guard = self.cfg.guard
     # With no checkpoint a re-run starts over: skip_update needs no new --workdir then.
@@ -1237,13 +1241,17 @@ class PPOTrainer:
       # Finite rewards whose squares overflow float32 (reward_square_limit): the advice to
       # lower the learning rate would not help.
       i = int(huge[0])
+      clip = self.cfg.reward.clip_range
+      bound = (f"narrow config.reward.clip_range={clip!r}" if clip else
+               "bound it with config.reward.clip_range (e.g. '-10,10')")
       return NonFiniteError(
-          f"{kept}. The batch's rewards are too large for float32 arithmetic: {len(huge)} of "
+          f"{kept}. The batch's rewards{' (clamped by reward.clip_range)' if clip else ''} "
+          f"are too large for float32 arithmetic: {len(huge)} of "
           f"{len(scores)} exceed {limit:.2g} in magnitude (first: sample {i}, "
           f"{float(scores[i]):.3g}), and their squares (the critic's loss, the gradient norm "
           f"of an estimator that does not normalise) overflow; scale the reward "
-          f"(config.reward.function / reward.format_weight) into a smaller range, or bound it "
-          f"with config.reward.clip_range (e.g. '-10,10'), rather than the learning rate")
+          f"(config.reward.function / reward.format_weight) into a smaller range, or {bound}, "
+          f"rather than the learning rate")
     if last is None:  # nothing to resume: a re-run starts over, with any values
       return NonFiniteError(
           f"{kept}: re-run with a lower optim.actor_lr / optim.critic_lr or optim.grad_clip (it "
