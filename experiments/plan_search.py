@@ -581,8 +581,9 @@ def _warn_if_trainer_refuses(cfg: ablations.AblationConfig, cost: CostModel, wl,
       h = next(iter(smaller))
       logging.info(
           "plan.json (%s) was searched for processes of %d devices (the host of "
-          "config.hardware=%r); train_ppo refuses it on processes of %s (on %d: %s): "
-          "for such a run (launch/local_multiprocess.sh N D: D devices a process) search with "
+          "config.hardware=%r), as one process on them all runs it; a multi-process run whose "
+          "processes drive %s refuses it (on %d: %s): for such a run "
+          "(launch/local_multiprocess.sh N D: D devices a process) search with "
           "--config.devices_per_host=D", plan["summary"], cost.hw.host_devices, cfg.hardware,
           " or ".join(map(str, smaller)) + (" device" if list(smaller) == [1] else " devices"),
           h, smaller[h])

@@ -584,8 +584,9 @@ def test_binary_searches_for_the_runs_devices_per_process(tmp_path):
   assert out.returncode == 0, out.stderr[-3000:]
   plan = json.loads((tmp_path / "hosts_of_8" / "plan.json").read_text())
   assert plan["generation"]["tp"] == 8 and plan["hardware"]["devices_per_host"] == 0, plan
-  assert ("was searched for processes of 8 devices (the host of config.hardware='h100_sxm'); "
-          "train_ppo refuses it on processes of 4 or 2 or 1 devices (on 4: generation instances "
+  assert ("was searched for processes of 8 devices (the host of config.hardware='h100_sxm'), "
+          "as one process on them all runs it; a multi-process run whose processes drive 4 or "
+          "2 or 1 devices refuses it (on 4: generation instances "
           "of tp8 on 4 generation devices a process (2 hosts of 4; an instance is one "
           "process's)): for such a run (launch/local_multiprocess.sh N D: D devices a process) "
           "search with --config.devices_per_host=D") in out.stderr, out.stderr[-3000:]
