@@ -125,6 +125,22 @@ def summarize(history: list[dict], num_iterations: int,
                     if not k.startswith(TIMING_PREFIXES) and not isinstance(v, list)}}
 
 
+def closing_line(result: dict, path: str) -> str:
+  """The run's last log line: done or where it stopped, result.json's path and its headline
+  figures (the reward over the first and last 10 % of iterations, the median step time and
+  tokens/s), so a run's outcome reads without opening the file."""
+  head = ("done" if result["status"] == "done" else
+          f"stopped at iteration {result['iterations']} of {result['num_iterations']}")
+  said = []
+  first, last = result.get("reward_first_10pct"), result.get("reward_last_10pct")
+  if first is not None and last is not None:
+    said.append(f"reward/mean {first:.4g} -> {last:.4g} (first -> last 10 % of iterations)")
+  step, tps = result.get("median_step_s"), result.get("median_tokens_per_s")
+  if step is not None and tps is not None:
+    said.append(f"median {step:.3g} s and {tps:.4g} tokens/s an iteration")
+  return f"{head}: {path}" + (f" ({'; '.join(said)})" if said else "")
+
+
 # What summarize reads of a row other than the last (which gives result.json's `final` whole).
 SUMMARY_FIELDS = ("step", "reward/mean", "timing_s/step", "perf/tokens_per_s")
 
@@ -382,9 +398,7 @@ def _main(run_log: runner.RunLog) -> None:
       result["hf_export"] = export
     runner.write_result(workdir, result)
     runner.clear_earlier_traceback(workdir)
-    logging.info("%s: %s", "done" if result["status"] == "done" else
-                 f"stopped at iteration {result['iterations']} of {cfg.num_iterations}",
-                 os.path.join(workdir, "result.json"))
+    logging.info("%s", closing_line(result, os.path.join(workdir, "result.json")))
   trainer.release_lock()
   if trainer.stopped_by_signal is not None:
     logging.warning("exit %d: stopped by signal %d after saving; re-run to resume",

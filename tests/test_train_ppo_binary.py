@@ -588,6 +588,9 @@ print(json.dumps([train_ppo.summarize(rows, 4), train_ppo.summarize(rows[:3], 4)
                   train_ppo.summarize([], 4, trained_to=4),
                   train_ppo.summarize(rows, 4, first_of_start={1, 3}),
                   train_ppo.summarize(rows[:1], 4)]))
+print(json.dumps([train_ppo.closing_line(train_ppo.summarize(rows, 4), "w/result.json"),
+                  train_ppo.closing_line(train_ppo.summarize(rows[:3], 4), "w/result.json"),
+                  train_ppo.closing_line(train_ppo.summarize([], 4, trained_to=4), "r.json")]))
 import os, tempfile
 from rlhfuse_jax.trainer import hooks
 with tempfile.TemporaryDirectory() as d:
@@ -607,7 +610,14 @@ def test_result_json_holds_the_throughput_beside_the_reward():
                        capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr[-3000:]
   four, three, bare, skipped, none, torn, lost, resumed, one = json.loads(
-      out.stdout.strip().splitlines()[-2])
+      out.stdout.strip().splitlines()[-3])
+  # The run's last log line carries the headline figures (it said only "done: PATH").
+  assert json.loads(out.stdout.strip().splitlines()[-2]) == [
+      "done: w/result.json (reward/mean 0 -> 0.3 (first -> last 10 % of iterations); median "
+      "0.3 s and 400 tokens/s an iteration)",
+      "stopped at iteration 3 of 4: w/result.json (reward/mean 0 -> 0.2 (first -> last 10 % of "
+      "iterations); median 0.3 s and 400 tokens/s an iteration)",
+      "done: r.json"]
   assert json.loads(out.stdout.strip().splitlines()[-1]) == [0, 4, 9]  # the starts' iterations
   assert (four["median_step_s"], four["median_tokens_per_s"]) == (0.3, 400.0)
   assert (three["median_step_s"], three["median_tokens_per_s"]) == (pytest.approx(0.3), 400.0)
