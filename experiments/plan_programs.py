@@ -1627,12 +1627,17 @@ def verdict(result: dict) -> str:
                 "plan.generation_tp)"]
     slots = ("fewer slots per instance (gen_slots: a run's plan.generation_slots, "
              "fusion.slots or rollout batch)")
+    # A generation group takes the copy off the training devices, but the group's programs
+    # hold the actor whole on every device beside them (group_actor_bytes): fsdp x tensor
+    # times the copy. Proposed for the programs on the training devices alone (until
+    # 2026-12-07 for decode and the scoring programs too, which it makes larger).
+    group_remedy = ("a generation group (generation_devices: a run's "
+                    "async_ppo.generation_devices; the copy is the group's actor there)")
     fixes = {"arguments": split, "the training state beside it": offload + split,
              "the models beside it": models,
              # asynchronous PPO's copy of the actor on the training devices (actor_copy_bytes)
              "the actor's copy beside it": [
-                 "a generation group (generation_devices: a run's "
-                 "async_ppo.generation_devices; the copy is the group's actor there)",
+                 group_remedy,
                  "fsdp or more tensor devices (the copy is split over them)",
                  "staleness 0 (a run's async_ppo.staleness: no copy)"],
              # a KV cache written whole (prefill): its rows and their length
@@ -1705,6 +1710,8 @@ def verdict(result: dict) -> str:
           and not own):
         # (the trainer refuses it beside a group; the pass runs with the state moved back)
         fix = [f for f in fix if f not in offload]
+      if name not in ("train_step", "placement"):
+        fix = [f for f in fix if f != group_remedy]
       remedy = f": {', '.join(fix)}" if fix else ""
       kept = " and ".join(k for k, b in beside.items() if b)
       hints.append(f"{name} (peak {_gb(peak)} of "

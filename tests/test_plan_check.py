@@ -4,6 +4,7 @@ import dataclasses
 import json
 import logging as std_logging
 import os
+import re
 import types
 
 import jax
@@ -2462,3 +2463,23 @@ def test_a_runs_staleness_decides_the_critic_values_program():
     p = plan_programs.critic_values_program(cfg, plan_programs.train_mesh(cfg))["critic_values"]
     assert (p["rows"], p["mesh"], p["pieces_split_over"]) == (8, mesh_kind, shards)
     assert p["state_critic_bytes"] == 0 and p["argument_bytes"] > 0
+
+
+def test_a_generation_group_is_proposed_for_the_actors_copy_only_on_the_training_devices():
+  """The verdict's remedies where the actor's copy (asynchronous PPO on the training devices)
+  is the largest term: a generation group takes it off the training devices (the train step,
+  the hand-over), but beside decode and the scoring programs a group keeps the actor whole on
+  every device (group_actor_bytes), fsdp x tensor times the copy: not proposed there (it was,
+  until 2026-12-07). The other remedies stay."""
+  result = _scaled_result(1.0)
+  result["plan"]["staleness"] = 1
+  for name in ("train_step", "decode", "inference"):
+    result["programs"][name].update(fits=False, actor_copy_bytes=90e9)
+  line = plan_programs.verdict(result)
+  parts = re.split(r"(?:: |; )(train_step|decode|inference) \(peak ", line)[1:]
+  hints = dict(zip(parts[::2], parts[1::2]))
+  assert set(hints) == {"train_step", "decode", "inference"}, line
+  for name, hint in hints.items():
+    assert "largest: the actor's copy beside it: " in hint, (name, hint)
+    assert ("a generation group" in hint) is (name == "train_step"), (name, hint)
+    assert "fsdp or more tensor devices" in hint and "staleness 0" in hint, (name, hint)
