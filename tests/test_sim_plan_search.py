@@ -1540,3 +1540,38 @@ def test_an_asynchronous_run_on_the_training_devices_writes_the_split_that_beats
                              split) == "synchronous"
   assert ps.plan_json_choice(wl, sync, colocated) == "synchronous"
   assert ps.plan_json_choice(wl, None, split) == "asynchronous"
+
+
+def test_the_uniform_layout_run_asynchronously_is_memory_checked_as_the_colocated_option():
+  """pipe_rlhf_async's uniform fallback holds what async_search's colocated option holds:
+  asynchronous PPO's copy of the actor beside every stage and the rescoring passes
+  (plan_search._memory_refusal on the layout's plans). On hardware whose HBM holds the layout
+  synchronously but not with those, the fallback is refused and its reason recorded; until
+  2026-12-07 it was taken, checked only as the synchronous uniform_candidates checks it."""
+  a = get_shape("llama-7b")
+  wl = it.Workload(actor=a, critic=a.as_critic(), num_devices=16, global_batch=64,
+                   minibatch=32, max_new_tokens=64)
+  opt = it.SimOptions()
+  res = ps.search(COST, wl, opt, top_k=1, staleness=1, split_unit=8)
+  best = res["async"]["best"]
+  u = res["uniform"]
+  plans = u["plans"]
+  colocated = {**plans, "async": {"generation_devices": 16, "training_devices": 16,
+                                  "staleness": 1, "colocated": True}}
+  sync_need = max(r["total"] for r in ps.plan_memory(COST, wl, opt, plans))
+  async_need = max(r["total"] for r in ps.plan_memory(COST, wl, opt, colocated))
+  assert async_need > sync_need
+  # Faster than the split's best by a second: taken where it fits.
+  fast = {**u, "predicted": {**u["predicted"], "gen_s": u["predicted"]["gen_s"] - (
+      u["predicted"]["iteration_s"] - best["predicted"]["iteration_s"]) - 1.0}}
+  fast["predicted"]["iteration_s"] = best["predicted"]["iteration_s"] - 1.0
+  row = it._async_row(COST, wl, opt, {**res, "uniform": fast})
+  assert row["details"]["async"]["colocated"] and "uniform_async_refused" not in row["details"]
+  hw = dataclasses.replace(COST.hw, hbm_bytes=(sync_need + async_need) / 2 /
+                           COST.eff.memory_headroom)
+  small = CostModel(hw)
+  assert ps._memory_refusal(small, wl, opt, plans) is None
+  row = it._async_row(small, wl, opt, {**res, "uniform": fast})
+  assert not row["details"]["async"]["colocated"], row["details"]["plan"]
+  assert row["iteration_s"] == best["predicted"]["iteration_s"]
+  assert "does not fit in memory" in row["details"]["uniform_async_refused"]

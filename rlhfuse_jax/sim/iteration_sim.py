@@ -601,20 +601,29 @@ def _async_row(cost: CostModel, wl: Workload, opt: SimOptions, searched: dict) -
   search's best) does not know; without it the row was slower than pipe_rlhf's on a small
   model on 8 GPUs. Both colocated plans are charged as the splits are: no critic on the
   instances, the rescore on the training layout (plan_search.async_colocated_predicted; until
-  2026-12-07 the uniform layout kept its synchronous time)."""
+  2026-12-07 the uniform layout kept its synchronous time), and both only where their memory
+  with asynchronous PPO's copy of the actor and the rescoring passes fits
+  (plan_search._memory_refusal; a refused uniform layout's reason in details'
+  uniform_async_refused)."""
   a = searched["async"]
   best = a["best"]
   p = best["predicted"]
   split = best["async"]
   plan = {k: best[k] for k in ("generation", "inference", "training", "summary")}
   u = searched["uniform"]
-  q = None
+  q, refused = None, None
   if u is not None:
-    lay = u["layout"]
-    q = plan_lib.async_colocated_predicted(
-        cost, wl, opt, u["predicted"], {"tp": lay["tp"], "pp": lay["pp"]},
-        {"placement": "colocated", "devices": wl.num_devices, "tp": lay["tp"],
-         "actor_pp": lay["pp"], "critic_pp": lay["pp"]})
+    lay, plans = u["layout"], u["plans"]
+    # Memory as async_search checks its colocated option (plan_search._memory_refusal): with
+    # the actor's copy and the rescoring passes beside the layout's stages (until 2026-12-07
+    # only as the synchronous uniform_candidates checked it, without either).
+    refused = plan_lib._memory_refusal(
+        cost, wl, opt, {**plans, "async": {"generation_devices": wl.num_devices,
+                                           "training_devices": wl.num_devices,
+                                           "staleness": a["staleness"], "colocated": True}})
+    if refused is None:
+      q = plan_lib.async_colocated_predicted(cost, wl, opt, u["predicted"], plans["inference"],
+                                             plans["training"])
   if q is not None and q["iteration_s"] < p["iteration_s"]:
     p = q
     split = {"generation_devices": wl.num_devices, "training_devices": wl.num_devices,
@@ -628,6 +637,8 @@ def _async_row(cost: CostModel, wl: Workload, opt: SimOptions, searched: dict) -
                      "async": {**split, "bound": p["bound"], "serial_s": p["serial_s"],
                                "splits": a["splits"]},
                      "uniform": searched["uniform"], "search_s": searched["search_s"]}}
+  if refused:
+    row["details"]["uniform_async_refused"] = refused
   row["samples_per_s"] = wl.global_batch / row["iteration_s"]
   return row
 

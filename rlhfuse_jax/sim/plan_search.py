@@ -627,12 +627,16 @@ def uniform_candidates(cost: CostModel, wl, opt, prompts, resp, mean_len: float,
       beside = "the training state" + (" and the frozen models' weights "
                                          "(sim.offload_frozen=False)" if kept else "")
       if pp == 1:
-        gen = instance_generation(cost, wl, opt, tp, prompts, resp, kept + state,
-                                  beside)["gen_s"]
+        g = instance_generation(cost, wl, opt, tp, prompts, resp, kept + state, beside)
+        slots = (-(-wl.global_batch // (wl.num_devices // tp)) if opt.trainer_runnable else
+                 g["plan"].slots)  # (generation_candidates')
+        gen_plan = GenerationPlan("instances", tp, slots=slots)
       else:
-        gen = pipelined_generation(cost, wl.actor, wl.num_devices, tp, pp, 1, prompts, resp,
-                                   wl.max_new_tokens, kept + state, wl.kv_slot_len(prompts),
-                                   beside)["gen_s"]
+        g = pipelined_generation(cost, wl.actor, wl.num_devices, tp, pp, 1, prompts, resp,
+                                 wl.max_new_tokens, kept + state, wl.kv_slot_len(prompts),
+                                 beside)
+        gen_plan = GenerationPlan("pipeline", tp, pp, 1, g["samples_per_replica"])
+      gen = g["gen_s"]
       it.check_inference_memory(cost, wl, tp, opt.inference_microbatch, pp=pp,
                                 resident_bytes=state, resident="the training state")
       inf = inference_stage_s(cost, frozen, wl.num_devices, tp, pp, seq,
@@ -644,9 +648,14 @@ def uniform_candidates(cost: CostModel, wl, opt, prompts, resp, mean_len: float,
     except ValueError as e:
       rejected[name] = str(e)
       continue
+    # (plans: the layout in plan.json's form, for plan_memory)
+    plans = {"generation": dataclasses.asdict(gen_plan),
+             "inference": dataclasses.asdict(InferencePlan(tp, pp)),
+             "training": {"placement": "colocated", "devices": wl.num_devices, "tp": tp,
+                          "actor_pp": pp, "critic_pp": pp, **micro_batching(wl, tp, pp, pp)}}
     out.append(Candidate({"tp": tp, "pp": pp, "dp": wl.num_devices // (tp * pp)},
                          gen + inf + train, {"gen_s": gen, "inf_s": inf, "train_s": train,
-                                             "reshard_s": 0.0}))
+                                             "reshard_s": 0.0, "plans": plans}))
   return out
 
 
@@ -1431,7 +1440,9 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
   uniform = None
   if unif:
     u = unif[0]
-    uniform = {"layout": u.plan, "predicted": {**u.info, "iteration_s": u.seconds}}
+    info = dict(u.info)
+    uniform = {"layout": u.plan, "plans": info.pop("plans"),
+               "predicted": {**info, "iteration_s": u.seconds}}
   refused: dict = {}
 
   def stages(gens: list, trains: list) -> dict:
