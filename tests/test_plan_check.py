@@ -2483,3 +2483,54 @@ def test_a_generation_group_is_proposed_for_the_actors_copy_only_on_the_training
     assert "largest: the actor's copy beside it: " in hint, (name, hint)
     assert ("a generation group" in hint) is (name == "train_step"), (name, hint)
     assert "fsdp or more tensor devices" in hint and "staleness 0" in hint, (name, hint)
+
+
+def test_a_synchronous_pipeline_keeps_the_frozen_models_beside_the_update(tmp_path):
+  """plan.generation='pipeline' on the training devices (no generation group, no async PPO):
+  the trainer's PlannedStage places the reference once on its data=4 x tensor=2 inference
+  mesh of all 8 training devices and keeps it there for the whole run, the update included
+  (measured here from the trainer's arrays). plan_search's plan_memory counted it on a
+  generation group only: the synchronous plan's generation and training were checked with
+  sim.offload_frozen's host memory, which this stage never uses, and the search could hand the
+  trainer a plan whose update does not fit beside them."""
+  from rlhfuse_jax.sim import iteration_sim as it
+  from rlhfuse_jax.sim import plan_search as ps
+  from rlhfuse_jax.sim import shapes
+  from rlhfuse_jax.trainer.config import TrainConfig
+  from rlhfuse_jax.trainer.loop import PPOTrainer
+  run = _async_run(**{"async_ppo.staleness": 0, "plan.generation": "pipeline",
+                      "plan.generation_pp": 2, "plan.inference_tp": 2})
+  run.model.num_layers = run.critic_model.num_layers = 2
+  trainer = PPOTrainer(TrainConfig.from_config_dict(run), str(tmp_path))
+  held = {}
+  for x in jax.tree.leaves(trainer.rollout.reference):
+    for shard in x.addressable_shards:
+      held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+  assert set(held) == set(trainer.mesh.devices.flat) and len(set(held.values())) == 1
+  cfg = TrainConfig.from_config_dict(run)
+  wl = it.Workload(actor=shapes.from_model_config(cfg.model, "actor", dtypes=True),
+                   critic=shapes.from_model_config(cfg.critic_model, "critic", dtypes=True),
+                   num_devices=8, global_batch=16, minibatch=8, max_new_tokens=6,
+                   reward_model=False)  # (ppo_tiny scores with a function)
+  plan = {"generation": {"mode": "pipeline", "tp": 1, "pp": 2, "groups": 2, "slots": 16},
+          "inference": {"tp": 2, "pp": 1},
+          "training": {"placement": "colocated", "devices": 8, "tp": 1, "actor_pp": 1,
+                       "critic_pp": 1}}
+  cost = ps.CostModel(hardware.get_hardware("h100_sxm"))
+  opt = it.SimOptions(trainer_runnable=True)
+  assert opt.offload_frozen
+  rows = {r["stage"]: r for r in ps.plan_memory(cost, wl, opt, plan)}
+  for stage in ("generation", "training"):
+    assert rows[stage]["parts"]["frozen weights kept"] == pytest.approx(max(held.values()),
+                                                                        rel=0.05), stage
+  # The search refuses the plan where the update fits only without them, and says why.
+  train = rows["training"]
+  frozen = train["parts"]["frozen weights kept"]
+  small = ps.CostModel(dataclasses.replace(
+      cost.hw, hbm_bytes=(train["total"] - frozen / 2) / cost.eff.memory_headroom))
+  why = ps._memory_refusal(small, wl, opt, plan)
+  assert why is not None and why.startswith("training colocated tp1 Pa/Pc=1/1 does not fit in "
+                                            "memory beside the frozen models"), why
+  # (instances: the fused stage keeps them in host memory)
+  inst = {**plan, "generation": {"mode": "instances", "tp": 1, "slots": 2}}
+  assert "frozen weights kept" not in ps.plan_memory(cost, wl, opt, inst)[2]["parts"]

@@ -930,19 +930,23 @@ def test_plan_memory_is_what_each_stage_check_allows(offload):
   more = {r["stage"]: r for r in ps.plan_memory(COST, wl, opt, other)}
   assert set(more) == {"generation", "inference", "training (actor)", "training (critic)"}
   rows["pipeline"] = more["generation"]
+  # (the trainer's pipeline stage keeps the frozen models on its inference mesh whatever
+  # sim.offload_frozen says: plan_search.keeps_frozen_on_mesh)
+  on_mesh = it.kept_frozen_bytes(wl, inf["tp"], dataclasses.replace(opt, offload_frozen=False))
+  assert on_mesh > 0
   # (the disjoint placement's larger state: the actor's on its 8 devices, tp2 pp2 dp2)
   disjoint = a.num_params() / 4 * (2 + 12 / 2)
   assert more["generation"]["parts"]["training state kept"] == pytest.approx(disjoint)
   checks["pipeline"] = lambda c: ps.pipelined_generation(c, a, 16, 2, 4, 4, prompts,
                                                          np.full(32, 100), 512,
-                                                         kept + disjoint, wl.padded_len)
+                                                         on_mesh + disjoint, wl.padded_len)
   for role, shape in (("actor", wl.actor), ("critic", wl.critic)):
     q = other["training"][role]
     want = COST.train_memory_parts(shape, q["tp"], q["pp"], q["dp"], True, wl.padded_len,
                                    min(q["pp"], q["M"]), False, wl.micro_batch,
                                    wl.max_new_tokens)
     assert more[f"training ({role})"]["parts"] == (
-        {**want, "frozen weights kept": kept} if kept else want)
+        {**want, "frozen weights kept": on_mesh})
   for stage, check in checks.items():
     need = rows[stage]["total"]
     assert rows[stage]["usable"] == COST.usable_bytes

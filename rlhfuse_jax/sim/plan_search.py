@@ -770,6 +770,19 @@ def group_actor_bytes(wl, opt, plan: dict) -> float:
   return float(wl.actor.weight_bytes())
 
 
+def keeps_frozen_on_mesh(opt, plan: dict) -> bool:
+  """Whether the trainer keeps the frozen models (reference, reward model) on the devices of
+  `plan`'s generation whatever sim.offload_frozen says (with sim.trainer_runnable): a
+  generation pipeline runs in the trainer's PlannedStage (rollout.stage_kind), which places
+  them once on its inference mesh (data x tensor = plan.inference_tp over the stage's devices)
+  and keeps them there for the whole run (loop.PPOTrainer: only the fused and instances stages
+  move them to host memory): on a generation group beside its generation, synchronously on
+  the training devices beside every stage, the update included. Until 2026-12-07 counted
+  on a generation group alone: the synchronous pipeline's training and generation were
+  checked with sim.offload_frozen's host memory, which this stage never uses."""
+  return bool(opt.trainer_runnable) and plan["generation"]["mode"] == "pipeline"
+
+
 def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
   """Per device, what each stage of `plan` (plan.json's form: _plan_dict, _async_plan) holds,
   by the formulas its memory checks use: [{"stage", "layout", "parts": {name: bytes},
@@ -786,8 +799,9 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
   models' weights and AdamW state (iteration_sim.kept_state_bytes; a disjoint placement's
   larger one), the search's _memory_refusal. On an asynchronous split's generation group, with
   sim.trainer_runnable, generation and inference also hold the whole actor (GROUP_ACTOR,
-  group_actor_bytes), and a generation pipeline there the frozen weights the trainer keeps on
-  the group's inference mesh (rollout.PlannedStage). Where the trainer keeps asynchronous PPO's
+  group_actor_bytes). With sim.trainer_runnable a generation pipeline's rows hold the frozen
+  weights the trainer keeps on its inference mesh (keeps_frozen_on_mesh): the group's, or
+  synchronously every row, training included. Where the trainer keeps asynchronous PPO's
   copy of
   the actor on the training devices (keeps_actor_copy), every row also holds it (ACTOR_COPY,
   actor_copy_bytes: beside the update, and beside the generation and inference it is made
@@ -805,10 +819,7 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
   prompts, _ = wl.sample_lengths()
   slot_cap = wl.kv_slot_len(prompts)
   kept = it.kept_frozen_bytes(wl, inf["tp"], opt)
-  if opt.trainer_runnable and gen["mode"] == "pipeline" and g < n:
-    # The trainer's pipeline on a generation group scores on a mesh of the group at the
-    # inference tp (rollout.PlannedStage), where it places the reference and the reward model
-    # once: beside the generation too, whatever sim.offload_frozen says.
+  if keeps_frozen_on_mesh(opt, plan):
     kept = it.kept_frozen_bytes(wl, inf["tp"], dataclasses.replace(opt, offload_frozen=False))
   kept_parts = {"frozen weights kept": kept} if kept else {}
   a = wl.actor
@@ -1099,7 +1110,11 @@ def _memory_refusal(cost: CostModel, wl, opt, plan: dict) -> Optional[str]:
   8 H100s a 13B/13B run with async_ppo.staleness=1 was given tp2 Pa/Pc=4/4, whose update needs
   73.6 GiB with it (61.5 without) of the 67.1 usable."""
   rows = plan_memory(cost, wl, opt, plan)
-  checked = rows if keeps_actor_copy(wl, plan) else [
+  # (the training candidates were searched beside the frozen weights sim.offload_frozen
+  # keeps: not beside those the trainer's pipeline stage keeps on the training devices)
+  on_training = (plan.get("async") or {}).get("colocated", True)
+  kept_anyway = keeps_frozen_on_mesh(opt, plan) and opt.offload_frozen and on_training
+  checked = rows if keeps_actor_copy(wl, plan) or kept_anyway else [
       r for r in rows if r["stage"] in ("generation", "inference", *RESCORE_STAGES.values())]
   for row in checked:
     if row["total"] <= row["usable"]:
@@ -1119,6 +1134,11 @@ def _memory_refusal(cost: CostModel, wl, opt, plan: dict) -> Optional[str]:
     if whole and row["total"] - whole <= row["usable"]:
       return (f"{what} does not fit in memory beside the whole actor the trainer keeps on every "
               "device of an asynchronous generation group (its data-only mesh)")
+    frozen = row["parts"].get("frozen weights kept", 0.0)
+    if kept_anyway and frozen and row["total"] - frozen <= row["usable"]:
+      return (f"{what} does not fit in memory beside the frozen models the trainer's pipeline "
+              "stage keeps on its inference mesh (rollout.PlannedStage, whatever "
+              "sim.offload_frozen says)")
     state = row["parts"].get("training state kept", 0.0)
     if state and row["total"] - state <= row["usable"]:
       return (f"{what} does not fit in memory beside its training plan's state (both models' "
