@@ -1054,6 +1054,21 @@ def group_critic_bytes(cfg: PlanConfig) -> int:
           if cfg.generation_devices and cfg.group_critic else 0)
 
 
+def group_instance_critic_bytes(cfg: PlanConfig, copy: float) -> float:
+  """Bytes per device of the critic a generation group's freed instance loads to score values
+  (group_critic on instances), beside the group's whole copy (group_critic_bytes): `copy`,
+  the instance's share of it (a stage's with inference_pp > 1), or 0 where the instance keeps
+  every leaf whole on one device (gen_tp 1, no inference pipeline): jax's device_put then
+  hands the instance the group's own buffer of each leaf, nothing new is allocated (measured
+  2026-12-07, jax 0.10.2, 8 CPU devices: an array replicated over a data-only mesh of 4 put
+  onto one of them, or replicated onto 2 of them, shares the source's buffers; split over 2
+  it gets new ones). Split over gen_tp devices, its replicated leaves (the norms) share too:
+  `copy` counts them, an upper bound by a few kB. Until 2026-12-07 counted as 0 everywhere."""
+  if not (cfg.generation_devices and cfg.group_critic and cfg.generation == "instances"):
+    return 0.0
+  return copy if cfg.gen_model_shards > 1 or cfg.inference_pp > 1 else 0.0
+
+
 def actor_logp_analytic(cfg: PlanConfig, rows: int, shards: int,
                         model: ModelConfig | None = None) -> dict:
   """The perfect split of actor_logp_program's forward (critic_values_program's with `model`
@@ -1302,7 +1317,8 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
   group = bool(cfg.generation_devices)
   beside_train_state(programs, hbm, cfg.offload_optimizer, group, group_critic_bytes(cfg),
                      cfg.reference,
-                     cfg.generation, critic_copy_bytes=0.0 if group else copy,
+                     cfg.generation,
+                     critic_copy_bytes=group_instance_critic_bytes(cfg, copy) if group else copy,
                      pipelined=cfg.pp > 1, actor_copy_bytes=actor_copy_bytes(cfg, mesh),
                      group_actor_bytes=group_actor_bytes(cfg))
   models = {"actor": cfg.actor, "critic": cfg.critic}
@@ -1409,12 +1425,16 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
     where the group also scores values (`group_critic_bytes`: the critic's weights per device),
     the critic whole beside each other (build.Models.frozen_to_mesh): each program has those
     other than its own beside it (an upper bound on the group's instances, which load the
-    scoring models from host memory when freed). The actor there is `group_actor_bytes`
-    (group_actor_bytes(): whole on every device of the group's data-only mesh, kept through
-    generation and inference; 0: decode's params_bytes), and on the group's instances it is
-    beside their programs too, decode's, prefill's and a migration's included (their argument
-    is the instance's own copy over its gen_tp devices; until 2026-12-07 that copy was counted
-    as the group's actor, gen_tp times less than the trainer holds);
+    scoring models from host memory when freed); on the group's instances a freed instance's
+    scoring programs also have its own copy of the critic (`critic_copy_bytes` here:
+    group_instance_critic_bytes, 0 where it is the group's buffer) beside the whole one,
+    loaded from it (the critic's own forward: the whole one beside its copy). The actor there
+    is `group_actor_bytes` (group_actor_bytes(): whole on every device of the group's
+    data-only mesh, kept through generation and inference; 0: decode's params_bytes), and on
+    the group's instances it is beside their programs too, decode's, prefill's and a
+    migration's included (their argument is the instance's own copy over its gen_tp devices;
+    until 2026-12-07 that copy was counted as the group's actor, gen_tp times less than the
+    trainer holds);
   - instances on the training devices (`generation`="instances"): the frozen models wait in
     host memory and an instance freed for inference loads all its scoring models at once
     (generation/fused.InferenceQueue._load): the reference, the critic's copy
@@ -1521,6 +1541,10 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
     idle = name in ("prefill", "decode", "migrate") and not (generation_group or serial)
     p["resident_model_bytes"] = 0.0 if idle else sum(
         v for k, v in kept.items() if k != own[name])
+    if generation_group and critic_copy_bytes and name in ("inference", "reward"):
+      # a freed instance's own copy of the critic beside the group's whole one
+      p["resident_model_bytes"] += (kept["critic"] if own[name] == "critic" else
+                                    critic_copy_bytes)
     if name == "migrate":
       p["resident_model_bytes"] += actor
     # (the serial stage's decode and prefill read the copy: their argument)

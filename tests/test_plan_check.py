@@ -2165,6 +2165,14 @@ def test_what_stays_beside_each_program_follows_where_the_run_scores():
   assert p["reward"]["resident_train_bytes"] == 0
   got, _ = beside(generation_group=True, reference=False)
   assert got == {"train_step": None, "decode": 20, "inference": 50, "reward": 30}
+  # A freed instance of the group scoring values loads its own copy of the critic (5 here)
+  # beside the whole one: beside the scoring programs, not decode; the critic's own forward
+  # (no reference) has the whole one beside its copy.
+  got, _ = beside(generation_group=True, group_critic_bytes=10, critic_copy_bytes=5)
+  assert got == {"train_step": None, "decode": 60, "inference": 65, "reward": 75}
+  got, _ = beside(generation_group=True, group_critic_bytes=10, critic_copy_bytes=5,
+                  reference=False)
+  assert got == {"train_step": None, "decode": 30, "inference": 60, "reward": 45}
   # The train step fits only with the frozen models beside it, and the verdict says so.
   p = programs()
   plan_programs.beside_train_state(p, 180, False, generation="mesh")
@@ -2244,15 +2252,21 @@ def test_a_generation_groups_instances_keep_the_critic_whole(tmp_path, monkeypat
   monkeypatch.setattr(plan_programs, "beside_train_state", spy)
   result = plan_programs.run(cfg, str(tmp_path))
   whole = plan_programs._nbytes(llama.param_shapes(cfg.critic))
-  assert seen == {"group": True, "critic": whole, "copy": 0.0}
+  # the freed instance's stage of the critic (group_instance_critic_bytes: split, not the
+  # group's buffers)
+  from rlhfuse_jax.inference import stages as inf_stages
+  stage = max(inf_stages.stage_nbytes(cfg.critic, llama.param_shapes(cfg.critic), 2, s)
+              for s in range(2)) / cfg.gen_model_shards
+  assert seen == {"group": True, "critic": whole, "copy": stage}
   programs = result["programs"]
   assert programs["migrate"]["resident_model_bytes"] > 0
   inference = programs["inference"]
   # beside the reference's stage: the actor and the critic, whole on the group (until
-  # 2026-12-07 both over gen_tp: the instance's share, not the group's copies)
+  # 2026-12-07 both over gen_tp: the instance's share, not the group's copies), and the
+  # instance's own stage of the critic (until 2026-12-07 not counted)
   actor = plan_programs._nbytes(llama.param_shapes(cfg.actor))
   assert cfg.gen_model_shards > 1 and whole == plan_programs.group_critic_bytes(cfg)
-  assert inference["resident_model_bytes"] == pytest.approx(actor + whole)
+  assert inference["resident_model_bytes"] == pytest.approx(actor + whole + stage)
 
 
 def _tiny_bfloat16_mesh():
@@ -2534,3 +2548,41 @@ def test_a_synchronous_pipeline_keeps_the_frozen_models_beside_the_update(tmp_pa
   # (instances: the fused stage keeps them in host memory)
   inst = {**plan, "generation": {"mode": "instances", "tp": 1, "slots": 2}}
   assert "frozen weights kept" not in ps.plan_memory(cost, wl, opt, inst)[2]["parts"]
+
+
+@pytest.mark.parametrize("gen_tp", [1, 2])
+def test_a_groups_freed_instance_loads_its_own_critic_beside_the_whole_one(gen_tp):
+  """async_ppo.staleness 0 with a generation group of instances: the group holds the critic
+  whole (replicated over its data-only mesh), and a freed instance loads it for the values
+  (GenerationInstance.place: mesh_lib.put onto the instance's param shardings). Measured from
+  the arrays: at gen_tp 1 the instance gets the group's own buffers (nothing new); at gen_tp 2
+  each device gets new buffers of its share beside the whole critic, as
+  plan_programs.group_instance_critic_bytes counts (it was 0 for every gen_tp)."""
+  c = plan_config.get_config("tiny")
+  c.pp = c.critic_pp = 1
+  c.gen_tp, c.generation_devices, c.group_critic = gen_tp, 4, True
+  cfg = plan_programs.PlanConfig.from_config_dict(c)
+  params = llama.init_params(cfg.critic, jax.random.PRNGKey(0))[0]
+  group = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=4), jax.devices()[:4])
+  whole = mesh_lib.shard_params(params, llama.logical_specs(cfg.critic), group)
+  mine = {}
+  for x in jax.tree.leaves(whole):
+    for shard in x.addressable_shards:
+      mine.setdefault(shard.device, set()).add(shard.data.unsafe_buffer_pointer())
+  instance = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1, tensor=gen_tp),
+                                jax.devices()[:gen_tp])
+  placed = mesh_lib.put(whole, mesh_lib.param_shardings(whole, llama.logical_specs(cfg.critic),
+                                                        instance))
+  new = {}
+  for x in jax.tree.leaves(placed):
+    for shard in x.addressable_shards:
+      if shard.data.unsafe_buffer_pointer() not in mine[shard.device]:
+        new[shard.device] = new.get(shard.device, 0) + shard.data.nbytes
+  copy = plan_programs._nbytes(llama.param_shapes(cfg.critic)) / cfg.gen_model_shards
+  counted = plan_programs.group_instance_critic_bytes(cfg, copy)
+  if gen_tp == 1:
+    assert not new and counted == 0.0
+  else:
+    assert set(new) == set(instance.devices.flat)
+    # (an upper bound: the instance's replicated norms share the group's buffers)
+    assert max(new.values()) <= counted < 1.05 * max(new.values()), (new, counted)
