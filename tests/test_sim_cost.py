@@ -701,3 +701,48 @@ def test_the_lm_heads_logits_copies_are_what_the_compiled_programs_hold():
   assert "logits" not in cm.train_memory_parts(a, 2, 4, 4, True, 256, 4, False, 2, 512)
   assert "logits" not in cm.train_memory_parts(a.as_critic(), 2, 1, 4, True, 2048, 1, False,
                                                2, 512)
+
+
+def test_the_updates_logits_copies_split_over_the_tensor_devices():
+  """cost_model.LOGITS_COPIES_UPDATE on tensor devices: the trainer's whole update
+  (trainer/ppo.make_update_fn: actor and critic, AdamW) on a tensor=4 mesh holds that many
+  float32 copies of each device's V/4 columns of the logits. Taken as the temp bytes'
+  difference over rows x vocabulary, which cancels what grows with one alone (the
+  activations, the embedding's and head's parameters and their updates): 4.000 at tensor 1,
+  2 and 4 (2026-12-07), measured at tensor 1 alone before."""
+  import jax
+  import jax.numpy as jnp
+  from rlhfuse_jax.models import llama
+  from rlhfuse_jax.parallel import mesh as mesh_lib
+  from rlhfuse_jax.rl import optim
+  from rlhfuse_jax.sim import cost_model
+  from rlhfuse_jax.trainer import ppo
+  from rlhfuse_jax.trainer import update as update_lib
+  from rlhfuse_jax.trainer.config import AlgoConfig
+  tp, p, t = 4, 16, 64
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1, tensor=tp), jax.devices()[:tp])
+  tx = optim.make_optimizer(1e-6, 10, 1000, grad_clip=1.0)
+
+  def temp(vocab: int, rows: int) -> int:
+    models = [llama.ModelConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                                num_layers=1, num_heads=4, num_kv_heads=4, max_seq_len=128,
+                                head=head) for head in ("lm", "scalar")]
+    update = ppo.make_update_fn(*models, AlgoConfig(minibatch_size=rows, epochs=1), 1.0, tx,
+                                tx, mesh=mesh)
+    states = []
+    for m in models:
+      shapes = llama.param_shapes(m)
+      params = mesh_lib.abstract(shapes, mesh_lib.param_shardings(shapes, llama.logical_specs(m),
+                                                                  mesh))
+      opt = mesh_lib.abstract(jax.eval_shape(tx.init, params),
+                              update_lib.optimizer_state_shardings(tx, params, mesh, False))
+      states.append(ppo.ModelState(params, opt))
+    fields = {"tokens": ((rows, p + t), jnp.int32), "prompt_lens": ((rows,), jnp.int32),
+              **{k: ((rows, t), jnp.float32) for k in ("mask", "old_logp", "ref_logp",
+                                                       "advantages", "returns", "old_values")}}
+    batch = {k: jax.ShapeDtypeStruct(shape, dt, sharding=mesh_lib.batch_sharding(mesh, len(shape)))
+             for k, (shape, dt) in fields.items()}
+    return update.lower(*states, batch).compile().memory_analysis().temp_size_in_bytes
+  grown = (temp(32768, 8) - temp(16384, 8)) - (temp(32768, 4) - temp(16384, 4))
+  one = 4.0 * 4 * t * 16384 / tp  # float32 [4 rows, T, a device's 16384 / tp columns]
+  assert grown / one == pytest.approx(cost_model.LOGITS_COPIES_UPDATE, rel=0.05), grown / one

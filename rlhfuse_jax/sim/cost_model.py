@@ -72,7 +72,12 @@ GIB = 2 ** 30
 # 1.002x one copy at vocab 32000-64000); the update's gradient of the log-probs and the entropy
 # bonus (models/sequences.response_logprobs_and_entropy) 4.0 (4.04-4.08x: the logits, the
 # log-softmax, the probabilities and the logits' gradient). The vocabulary splits over the
-# tensor devices (parallel/mesh.LOGICAL_RULES).
+# tensor devices (parallel/mesh.LOGICAL_RULES), the update's copies too: the trainer's whole
+# update (trainer/ppo.make_update_fn, both models and AdamW) on a tensor mesh of 1, 2 and 4
+# devices held 4.000 float32 copies of each device's V/tp columns, measured as the temp
+# bytes' difference over rows x vocabulary (4 -> 8 rows, 16384 -> 32768 columns, 64 response
+# positions), which cancels the activations and the parameters (2026-12-07, XLA:CPU, jax
+# 0.10.2; tests/test_sim_cost.py checks it at tensor 4 on every CI run).
 LOGITS_COPIES_SCORING = 1.0
 LOGITS_COPIES_UPDATE = 4.0
 
