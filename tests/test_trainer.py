@@ -425,12 +425,13 @@ def test_the_update_compiles_once(tmp_path, offload, estimator):
 
 @pytest.mark.parametrize("guard", ["stop", "skip_update"])
 def test_an_iteration_reads_the_devices_twice_outside_the_rollout(tmp_path, monkeypatch, guard):
-  """Host syncs outside the rollout stage: one read of the advantages, returns and rollout
-  statistics together, and one of the updates' metrics with config.guard's per-model checks
-  (parameters finite) and the models' LRs; "skip_update" reads the LRs apart, after the skipped
-  steps they depend on. Each was a read of its own (4, or 6 under "skip_update", with a critic)
-  besides implicit ones (bool of the finite check, float of each LR): each a stall of the
-  accelerator. No implicit read (a device array's value outside to_host) is left there.
+  """Host syncs outside the rollout stage: one read of the rollout statistics, and one of the
+  updates' metrics with config.guard's per-model checks (parameters finite) and the models'
+  LRs; "skip_update" reads the LRs apart, after the skipped steps they depend on. Each was a
+  read of its own (4, or 6 under "skip_update", with a critic) besides implicit ones (bool of
+  the finite check, float of each LR): each a stall of the accelerator. No implicit read (a
+  device array's value outside to_host) is left there, and every read is of scalars: the
+  advantages and returns [B, T] were read with the statistics and put back per mini-batch.
   (jax.transfer_guard does not see reads of CPU arrays: the reads are counted instead.)"""
   from jax._src import array as array_impl  # pylint: disable=import-outside-toplevel
   cfg = tiny_config(num_iterations=2, **{"guard.on_nonfinite": guard})
@@ -450,7 +451,7 @@ def test_an_iteration_reads_the_devices_twice_outside_the_rollout(tmp_path, monk
   def counted(tree):
     if where[0] != "on":
       return to_host(tree)
-    reads.append(jax.tree.structure(tree))
+    reads.append([np.shape(x) for x in jax.tree.leaves(tree)])
     where[0] = "to_host"
     try:
       return to_host(tree)
@@ -474,6 +475,8 @@ def test_an_iteration_reads_the_devices_twice_outside_the_rollout(tmp_path, monk
     finally:
       where[0] = "off"
     assert len(reads) == (2 if guard == "stop" else 3), (it, reads)
+    # scalars only: the advantages and returns [B, T] stay on the devices for the mini-batches
+    assert all(shape == () for read in reads for shape in read), (it, reads)
     assert not implicit, (it, implicit)
     return out
   trainer.iteration = watched

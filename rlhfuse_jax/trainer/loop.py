@@ -94,6 +94,12 @@ def _all_finite(tree) -> jax.Array:
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
+def _rows(tree: dict, idx: jax.Array) -> dict:
+  """The rows `idx` [m] of each [B, ...] leaf of `tree` (device arrays): a mini-batch gathered
+  where the rollout's results already are."""
+  return jax.tree.map(lambda x: x[idx], tree)
+
+
 def _finite_mean(values) -> float:
   v = np.asarray(values, np.float64)
   v = v[np.isfinite(v)]
@@ -381,6 +387,7 @@ class PPOTrainer:
     self.checkpoints.state_fn = self._state
     self.checkpoints.meta_fn = self._meta
     self._compiled_update = False  # the first update call (compiles) is timed and logged
+    self._row_takers: dict = {}  # _rows jitted per (key, ndim) set: each mini-batch's gather
     self._make_rescorers(cfg)
 
   def _agree_start(self, cfg: TrainConfig) -> None:
@@ -908,7 +915,10 @@ class PPOTrainer:
     adv, ret, stats = ppo.rollout_statistics(
         self.cfg.algo, self.cfg.rollout.samples_per_prompt, self._put(scores),
         self._put(mask), self._put(gen.logprobs), ref_logp, self._put(gen.values))
-    adv, ret, stats = mesh_lib.to_host((adv, ret, stats))  # one read of all three
+    # Only the statistics are read: the advantages and returns stay on the devices, where each
+    # mini-batch's rows are gathered (_dispatch_training); read with them, they came back to
+    # the host and went out again, piece by piece, once per mini-batch.
+    stats = mesh_lib.to_host(stats)
     stats = {**stats, **clip_stats}
     data = {"tokens": gen.tokens, "prompt_lens": gen.prompt_lens, "mask": mask,
             "old_logp": gen.logprobs, "advantages": adv, "returns": ret,
@@ -958,8 +968,9 @@ class PPOTrainer:
                                              a.behaviour_weight_cap)
     m["async/staleness"] = iteration - gen.version
     m["async/policy_version"] = gen.version
-    if a.objective == "decoupled":
-      data = async_lib.decoupled(data, prox, weights)
+    if a.objective == "decoupled":  # weighted on the host (numpy's rounding, as before)
+      data = async_lib.decoupled({**data, "advantages": mesh_lib.to_host(data["advantages"])},
+                                 prox, weights)
     else:  # nothing is dropped: the weights only measure the lag
       m.pop("async/behaviour_dropped_frac")
     return data, m
@@ -974,7 +985,7 @@ class PPOTrainer:
       rng = np.random.default_rng([cfg.seed, iteration, epoch])
       for idx in mb_lib.minibatch_indices(len(token_counts), cfg.algo.minibatch_size, rng,
                                           token_counts=token_counts, num_data_shards=shards):
-        mb = {k: self._put(v[idx]) for k, v in data.items()}
+        mb = self._minibatch(data, idx)
         self.actor, self.critic, m = self.update(self.actor, self.critic, mb)
         train_metrics.append(m)
         if not self._compiled_update:
@@ -983,6 +994,20 @@ class PPOTrainer:
           logging.info("training: update compiled and run once in %.1fs%s", time.time() - t0,
                        hooks.cache_note())
     return train_metrics
+
+  def _minibatch(self, data: dict, idx: np.ndarray) -> dict:
+    """Rows `idx` [m] of `data`, batch-sharded: host arrays sliced and put, device arrays (the
+    advantages and returns) gathered on the devices, all of those in one program."""
+    on_device = {k: v for k, v in data.items() if isinstance(v, jax.Array)}
+    mb = {k: self._put(v[idx]) for k, v in data.items() if k not in on_device}
+    if on_device:
+      key = tuple((k, v.ndim) for k, v in on_device.items())
+      if key not in self._row_takers:
+        self._row_takers[key] = jax.jit(_rows, out_shardings={
+            k: mesh_lib.batch_sharding(self.mesh, n) for k, n in key})
+      idx = mesh_lib.put(idx.astype(np.int32), mesh_lib.replicated(self.mesh))
+      mb.update(self._row_takers[key](on_device, idx))
+    return {k: mb[k] for k in data}  # data's order, as before
 
   def iteration(self, iteration: int) -> dict:
     """One iteration: synchronous (async_ppo.staleness = 0: generate, then train), or train on
