@@ -322,6 +322,8 @@ class FusedGenerator:
                        " caps running micro-batches, which a process cannot see on another "
                        f"process's instances: expected 0 with {self.exchange.count} processes")
     self.transfer = multihost.CrossHostTransfer()
+    # (treedef, shapes) -> place_actor's layouts of those params: made once (_actor_layouts)
+    self._actor_layouts: dict = {}
     # Bytes of one sample's DecodeState row (KV cache and decode state; the same in every
     # instance, one shape class): what a migration copies per row, known to every process.
     st = self.instances[self.local[0]].state_abstract(actor_params)
@@ -556,7 +558,6 @@ class FusedGenerator:
     instance_devices, each instance holding its tensor shards whole), whose local shards each
     process then takes as its instances' arrays: the weights move device to device, never
     through host memory."""
-    mine = {i: self.instances[i] for i in self.local}
     leaves = jax.tree.leaves(params)
     spread = any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in leaves)
     # On the instances' own devices (the training mesh they were cut from): one reshard of each
@@ -566,20 +567,41 @@ class FusedGenerator:
     on_them = all(isinstance(x, jax.Array) and x.sharding.device_set == theirs for x in leaves)
     if not (spread or on_them):
       return inst_lib.PlacedOnInstances(
-          {i: inst.place(self.cfg, params) for i, inst in mine.items()})
-    grid = mesh_lib.make_mesh(
-        mesh_lib.MeshConfig(data=len(self.instances), tensor=self.config.instance_devices),
-        [d for inst in self.instances for d in inst.devices])
-    own = {i: inst.param_shardings(self.cfg, params) for i, inst in mine.items()}
-    everywhere = mesh_lib.put(params, jax.tree.map(
-        lambda sh: NamedSharding(grid, sh.spec), own[self.local[0]]))
-
-    def take(x, sharding):  # the instance's shards of `everywhere`, as an array on its mesh
+          {i: self.instances[i].place(self.cfg, params) for i in self.local})
+    on_grid, own = self._actor_layouts_of(params)
+    everywhere = mesh_lib.put(params, on_grid)
+    # Each instance's shards of `everywhere`, as arrays on its mesh. Every leaf's shards are
+    # listed once, not once per instance, and the layouts are made once: remade every call,
+    # the main job's place_actor (39 leaves, 8 instances) took 15.0 ms of host time, not 9.5.
+    treedef, placed = jax.tree.structure(everywhere), {i: [] for i in own}
+    for k, x in enumerate(jax.tree.leaves(everywhere)):
       held = {shard.device: shard.data for shard in x.addressable_shards}
-      return jax.make_array_from_single_device_arrays(
-          x.shape, sharding, [held[d] for d in sharding.addressable_devices])
+      for i, layout in own.items():
+        sharding, devices = layout[k]
+        placed[i].append(jax.make_array_from_single_device_arrays(
+            x.shape, sharding, [held[d] for d in devices]))
     return inst_lib.PlacedOnInstances(
-        {i: jax.tree.map(take, everywhere, own[i]) for i in mine})
+        {i: jax.tree.unflatten(treedef, leaves) for i, leaves in placed.items()})
+
+  def _actor_layouts_of(self, params: Any) -> tuple[Any, dict]:
+    """(the shardings of `params` on the grid of all instances' devices: data = instances x
+    tensor = instance_devices; {this process's instance: [(sharding, its addressable devices)]
+    per leaf}), each instance holding its tensor shards whole. Made once per tree and shapes:
+    the shardings follow from the shapes and the model's logical axes alone."""
+    leaves, treedef = jax.tree.flatten(params)
+    key = (treedef, tuple(np.shape(x) for x in leaves))
+    if key not in self._actor_layouts:
+      grid = mesh_lib.make_mesh(
+          mesh_lib.MeshConfig(data=len(self.instances), tensor=self.config.instance_devices),
+          [d for inst in self.instances for d in inst.devices])
+      own = {i: jax.tree.leaves(self.instances[i].param_shardings(self.cfg, params))
+             for i in self.local}
+      everywhere = jax.tree.unflatten(treedef, [NamedSharding(grid, sh.spec)
+                                                for sh in own[self.local[0]]])
+      self._actor_layouts[key] = everywhere, {
+          i: [(sh, list(sh.addressable_devices)) for sh in shardings]
+          for i, shardings in own.items()}
+    return self._actor_layouts[key]
 
 
 class SlotTable:
