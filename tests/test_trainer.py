@@ -490,6 +490,43 @@ def test_an_iteration_reads_the_devices_twice_outside_the_rollout(tmp_path, monk
     assert h["critic/lr"] == float(trainer.update.critic_lr(n * (i + 1) - 1))
 
 
+def test_each_mini_batch_gathers_its_rows_on_the_devices(tmp_path):
+  """The rollout's training arrays go to the devices once an iteration; each mini-batch is
+  gathered there (one program), batch-sharded as the update takes it, and holds exactly the
+  rows of its indices. Each mini-batch used to put its rows from the host, array by array (8
+  puts, the advantages and returns among them, read from the devices for it)."""
+  trainer = PPOTrainer(tiny_config(num_iterations=1), str(tmp_path))  # data=8: 8 devices
+  real_advantages, real_put = trainer._advantages, trainer._put
+  host, puts, seen = {}, [], []
+
+  def advantages(gen):
+    data, stats = real_advantages(gen)
+    host.update({k: np.asarray(v) for k, v in data.items()})
+    return data, stats
+
+  def put(x):
+    puts.append(np.shape(x))
+    return real_put(x)
+  real_minibatch = trainer._minibatch
+
+  def minibatch(data, idx):
+    puts.clear()
+    mb = real_minibatch(data, idx)
+    seen.append((idx, mb, list(puts)))
+    return mb
+  trainer._advantages, trainer._put, trainer._minibatch = advantages, put, minibatch
+  trainer.run()
+  cfg = trainer.cfg
+  assert len(seen) == cfg.algo.epochs * cfg.rollout.batch_size // cfg.algo.minibatch_size
+  keys = {"tokens", "prompt_lens", "mask", "old_logp", "old_values", "ref_logp", "advantages",
+          "returns"}
+  for idx, mb, put_here in seen:
+    assert put_here == [] and set(mb) == keys
+    for k, v in mb.items():
+      assert v.sharding == mesh_lib.batch_sharding(trainer.mesh, v.ndim), k
+      np.testing.assert_array_equal(np.asarray(v), host[k][idx], err_msg=k)
+
+
 def test_a_failed_rollout_leaves_the_offloaded_moments_on_the_devices(tmp_path):
   """optim.offload_during_rollout: a rollout that raises still brings both optimizer states
   back, each leaf placed exactly as before (what the update takes)."""

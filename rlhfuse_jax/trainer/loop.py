@@ -907,24 +907,25 @@ class PPOTrainer:
               " once the function is fixed" + way_past,) + e.args[1:]
 
   def _advantages(self, gen: async_lib.Generated):
-    """(training data, rollout statistics) of the rollout: advantages and returns on device."""
+    """(training data, rollout statistics) of the rollout: the data on the devices, each array
+    put there once (the statistics' inputs among them), for every mini-batch to gather its
+    rows from (_minibatch)."""
     mask = _response_mask(gen, self.cfg.rollout.max_new_tokens)  # [B, T]
+    data = {k: self._put(v) for k, v in (
+        ("tokens", gen.tokens), ("prompt_lens", gen.prompt_lens), ("mask", mask),
+        ("old_logp", gen.logprobs), ("old_values", gen.values))}
     # No reference log-probs (algo.kl_coef=0): the statistics leave out kl/*, the update its KL.
-    ref_logp = None if gen.ref_logp is None else self._put(gen.ref_logp)
+    if gen.ref_logp is not None:
+      data["ref_logp"] = self._put(gen.ref_logp)
     scores, clip_stats = clipped_scores(gen.scores, self.cfg.reward.clip_bounds)
     adv, ret, stats = ppo.rollout_statistics(
         self.cfg.algo, self.cfg.rollout.samples_per_prompt, self._put(scores),
-        self._put(mask), self._put(gen.logprobs), ref_logp, self._put(gen.values))
-    # Only the statistics are read: the advantages and returns stay on the devices, where each
-    # mini-batch's rows are gathered (_dispatch_training); read with them, they came back to
-    # the host and went out again, piece by piece, once per mini-batch.
-    stats = mesh_lib.to_host(stats)
-    stats = {**stats, **clip_stats}
-    data = {"tokens": gen.tokens, "prompt_lens": gen.prompt_lens, "mask": mask,
-            "old_logp": gen.logprobs, "advantages": adv, "returns": ret,
-            "old_values": gen.values}
-    if gen.ref_logp is not None:
-      data["ref_logp"] = gen.ref_logp
+        data["mask"], data["old_logp"], data.get("ref_logp"), data["old_values"])
+    # Only the statistics are read: the advantages and returns stay on the devices too. Read
+    # with them, they came back to the host and went out again, piece by piece, once per
+    # mini-batch, as did every other array here.
+    stats = {**mesh_lib.to_host(stats), **clip_stats}
+    data.update(advantages=adv, returns=ret)
     return data, stats
 
   def _current_values(self, gen: async_lib.Generated) -> async_lib.Generated:
@@ -962,10 +963,10 @@ class PPOTrainer:
     its training data (trainer/async_ppo.py). One forward pass of the current actor (the
     proximal policy) gives both."""
     a = self.cfg.async_ppo
-    prox = self._actor_logprobs(iteration, gen, data["mask"] > 0, self._rescorer,
+    mask = _response_mask(gen, self.cfg.rollout.max_new_tokens)  # [B, T] (data's is on device)
+    prox = self._actor_logprobs(iteration, gen, mask > 0, self._rescorer,
                                 "proximal log-probs (the current actor's)")
-    weights, m = async_lib.behaviour_weights(prox, gen.logprobs, data["mask"],
-                                             a.behaviour_weight_cap)
+    weights, m = async_lib.behaviour_weights(prox, gen.logprobs, mask, a.behaviour_weight_cap)
     m["async/staleness"] = iteration - gen.version
     m["async/policy_version"] = gen.version
     if a.objective == "decoupled":  # weighted on the host (numpy's rounding, as before)
@@ -996,8 +997,8 @@ class PPOTrainer:
     return train_metrics
 
   def _minibatch(self, data: dict, idx: np.ndarray) -> dict:
-    """Rows `idx` [m] of `data`, batch-sharded: host arrays sliced and put, device arrays (the
-    advantages and returns) gathered on the devices, all of those in one program."""
+    """Rows `idx` [m] of `data`, batch-sharded: device arrays gathered on the devices, all in
+    one program; host arrays (the decoupled objective's) sliced and put."""
     on_device = {k: v for k, v in data.items() if isinstance(v, jax.Array)}
     mb = {k: self._put(v[idx]) for k, v in data.items() if k not in on_device}
     if on_device:
