@@ -146,7 +146,8 @@ def test_the_length_distribution_is_recorded_and_compared(tmp_path):
   lengths = record["lengths"]
   assert lengths["data"] == {"prompts_file": "", "task": "repeat", "num_prompts": 4096,
                              "length_dist": "uniform", "length_min": 1, "length_max": 8,
-                             "tokenizer": "", "chat_template": "none"}, lengths
+                             "val_fraction": 0.0, "tokenizer": "", "chat_template": "none"
+                             }, lengths
   # what the search sampled: repeat's 4-token prompts, targets of 1-8 tokens + EOS
   assert (lengths["prompt"]["max"], lengths["prompt"]["p50"]) == (4, 4.0), lengths
   assert 2 <= lengths["response"]["p50"] and lengths["response"]["max"] <= 9, lengths
@@ -266,9 +267,9 @@ def test_a_plan_file_without_lengths_loads_and_says_it_cannot_check_them(tmp_pat
   plan_file_lib.plan_file_settings(plan_file_lib.load_plan_file(path), path)  # it loads
   unchecked = ("records no prompt and response lengths (data.prompts_file, data.task, "
                "data.num_prompts, data.length_dist, data.length_min, data.length_max, "
-               "data.length_mu, data.length_sigma, init.tokenizer, data.chat_template) (a "
-               "plan.json written before plan_search recorded them): those are not compared "
-               "with this run's")
+               "data.length_mu, data.length_sigma, data.prompt_key, data.val_fraction, "
+               "init.tokenizer, data.chat_template) (a plan.json written before plan_search "
+               "recorded them): those are not compared with this run's")
   assert plan_file_lib.plan_workload_note(path, cfg) == (
       False, f"config.plan.file={path!r} {unchecked}")
   run = _with_data(dataclasses.replace(cfg, rollout=dataclasses.replace(
@@ -360,7 +361,77 @@ def test_the_tokenizer_chat_template_and_prompt_count_are_recorded_and_compared(
       "them): those are not compared with this run's"))
   assert plan_file_lib.plan_workload_unrecorded({"workload": {**old, "lengths": {
       "data": {"prompts_file": "p.jsonl", "prompts_digest": "0" * 64}}}})[-1] == (
-          "init.tokenizer, data.chat_template of its lengths")
+          "init.tokenizer, data.chat_template, data.prompt_key, data.val_fraction of its "
+          "lengths")
+
+
+def _file_run_and_record(tmp_path, prompts, **data):
+  """(ppo_tiny's resolved config reading `prompts` with the tiny_chat tokenizer and the `data`
+  changes, the "lengths" plan_search records for it)."""
+  c = ppo_tiny.get_config()
+  c.init.tokenizer = os.path.join(ROOT, "tests", "fixtures", "tiny_chat", "tokenizer.json")
+  c.data.prompts_file, c.data.max_prompt_len = str(prompts), 16
+  for k, v in data.items():
+    setattr(c.data, k, v)
+  raw = TrainConfig.from_config_dict(c)
+  task, tokenizer = build.build_task_and_tokenizer(raw)
+  cfg = build.resolve_config(raw, tokenizer)
+  wl = sim_plan.workload(cfg, task, tokenizer, 8, str(tmp_path / "lengths"))[0]
+  return cfg, plan_search.workload_record(wl, "c.py")["lengths"]
+
+
+def test_the_prompt_field_and_the_held_out_fraction_are_recorded_and_compared(tmp_path):
+  """The search samples the training pool's prompts: a prompts file's data.prompt_key field
+  of each row, less the data.val_fraction held out. Neither was recorded, and a plan searched
+  for 40 prompts of 5.5 tokens on average ran their 3-token 'question' field, or half of them,
+  without a word. They are compared; a file from before names them once, not compared.
+  data.overlong_prompts is not recorded: 'skip' leaves out what 'error' refuses, the pool of a
+  run that builds is the same, and another max_prompt_len is compared already."""
+  prompts = tmp_path / "p.jsonl"
+  prompts.write_text("".join(json.dumps({"prompt": " ".join(["a"] * (1 + i % 8)),
+                                         "question": "a b", "target": "a"}) + "\n"
+                             for i in range(40)))
+  cfg, lengths = _file_run_and_record(tmp_path, prompts)
+  assert (lengths["data"]["prompt_key"], lengths["data"]["val_fraction"]) == ("prompt", 0.0)
+  plan = {"workload": {"train_config": "c.py", "lengths": lengths}}
+  assert plan_file_lib.plan_workload_differences(plan, cfg) == []
+  for change, said in (({"prompt_key": "question"}, "lengths.data.prompt_key='prompt' (this "
+                        "run's data.prompt_key is 'question')"),
+                       ({"val_fraction": 0.5}, "lengths.data.val_fraction=0.0 (this run's "
+                        "data.val_fraction is 0.5)")):
+    run, other = _file_run_and_record(tmp_path, prompts, **change)
+    assert other["prompt"]["mean"] != lengths["prompt"]["mean"], (change, other["prompt"])
+    assert plan_file_lib.plan_workload_differences(plan, run) == [said]
+  # overlong_prompts='skip' at the same max_prompt_len: the same pool (nothing is longer)
+  run, other = _file_run_and_record(tmp_path, prompts, overlong_prompts="skip")
+  assert other == lengths
+  assert plan_file_lib.plan_workload_differences(plan, run) == []
+  # a task's prompts read no prompt_key (not recorded, not compared); its val_fraction is
+  task_cfg, record = _tiny_run_and_record(tmp_path)
+  task_plan = {"workload": record}
+  assert "prompt_key" not in record["lengths"]["data"]
+  assert plan_file_lib.plan_workload_differences(
+      task_plan, _with_data(task_cfg, prompt_key="question", val_fraction=0.25)) == [
+          "lengths.data.val_fraction=0.0 (this run's data.val_fraction is 0.25)"]
+  # a plan.json from before they were recorded: the rest compared, they named once
+  old = {**lengths, "data": {k: v for k, v in lengths["data"].items()
+                             if k not in ("prompt_key", "val_fraction")}}
+  old_plan = {"workload": {"train_config": "c.py", "lengths": old}}
+  run = _file_run_and_record(tmp_path, prompts, prompt_key="question")[0]
+  assert plan_file_lib.plan_workload_differences(old_plan, run) == []
+  assert plan_file_lib.plan_workload_differences(old_plan, _with_data(
+      run, prompts_file=str(tmp_path / "q.jsonl"))) == [
+          f"lengths.data.prompts_file={str(prompts)!r} (this run's data.prompts_file is "
+          f"{str(tmp_path / 'q.jsonl')!r})"]
+  assert plan_file_lib.plan_workload_unrecorded(old_plan)[-1] == (
+      "data.prompt_key, data.val_fraction of its lengths")
+  # (a task's names no prompt_key, which it never read)
+  old_task = {**record, "lengths": {**record["lengths"], "data": {
+      k: v for k, v in record["lengths"]["data"].items() if k != "val_fraction"}}}
+  path = _plan_file(tmp_path, old_task)
+  assert plan_file_lib.plan_workload_note(path, task_cfg) == (False, (
+      f"config.plan.file={path!r} records no data.val_fraction of its lengths (a plan.json "
+      "written before plan_search recorded them): those are not compared with this run's"))
 
 
 def test_a_paper_pairs_plan_says_its_lengths_are_not_compared(tmp_path):

@@ -918,7 +918,8 @@ def length_record(wl) -> dict:
   ("prompt", "response": each LengthSpec described and a summary of the lengths the search
   sampled, recorded, not compared), and for a train_ppo run's workload "data": the run's
   fields they came from (Workload.length_inputs: data.task, num_prompts and length_* or
-  data.prompts_file; init.tokenizer, data.chat_template; the files' content digests), which
+  data.prompts_file and prompt_key; data.val_fraction, init.tokenizer, data.chat_template;
+  the files' content digests), which
   train_ppo compares with its own (trainer/plan_file.py); none for the simulator's own
   config.prompt and config.response (the paper pairs' variants). Not recorded until
   2026-12-07: a plan searched for 1-8-token responses ran a long-tailed task without a word."""

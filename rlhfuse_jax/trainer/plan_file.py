@@ -217,21 +217,31 @@ _RUN_PLAN_RECORDED = ("inference_micro_batch", "migration_rows", "offload_optimi
 
 
 # The run's fields its prompt and response lengths come from (trainer/sim_plan.workload:
-# the task's prompts and targets, or a prompts file's prompts with responses uniform in
-# 1..rollout.max_new_tokens; either rendered through data.chat_template and tokenised with
+# the task's prompts and targets, or a prompts file's prompts (the field data.prompt_key of
+# each row) with responses uniform in 1..rollout.max_new_tokens; either less the
+# data.val_fraction held out, rendered through data.chat_template and tokenised with
 # init.tokenizer), by their key in plan.json's workload "lengths" "data" (since 2026-12-07,
 # plan_search with a train_config), where each is compared here: they drive the simulated
-# generation times and long tail, and so the plan's choice.
+# generation times and long tail, and so the plan's choice. Not data.overlong_prompts: 'skip'
+# leaves out the prompts longer than data.max_prompt_len (compared), which 'error' refuses, so
+# two runs that both build have the same pool; nor data.answer_key (a prompts file's responses
+# are uniform) or data.val_file (a pool of its own, for validation alone).
 LENGTH_INPUT_FIELDS = {"prompts_file": "data.prompts_file", "task": "data.task",
                        "num_prompts": "data.num_prompts", "length_dist": "data.length_dist",
                        "length_min": "data.length_min", "length_max": "data.length_max",
                        "length_mu": "data.length_mu", "length_sigma": "data.length_sigma",
+                       "prompt_key": "data.prompt_key", "val_fraction": "data.val_fraction",
                        "tokenizer": "init.tokenizer", "chat_template": "data.chat_template"}
-# The last two and num_prompts were recorded later on 2026-12-07: a plan for one template or
-# tokenizer ran with another without a word (tests/fixtures/tiny_chat's chatml template made
-# 64 prompts 67 tokens long on average, from 42). A file without them compares the rest and
-# says which it lacks.
-LATER_LENGTH_INPUTS = ("tokenizer", "chat_template", "num_prompts")
+# Recorded later on 2026-12-07: a plan for one template or tokenizer ran with another without a
+# word (tests/fixtures/tiny_chat's chatml template made 64 prompts 67 tokens long on average,
+# from 42), and so did one for a file's other field (prompt_key) or a pool with a fraction held
+# out. A file without them compares the rest and says which it lacks.
+LATER_LENGTH_INPUTS = ("tokenizer", "chat_template", "num_prompts", "prompt_key",
+                       "val_fraction")
+# Those of a prompts file alone (a task's prompts are its own), and of a task alone.
+FILE_LENGTH_INPUTS = ("prompt_key",)
+TASK_LENGTH_INPUTS = ("task", "num_prompts", "length_dist", "length_min", "length_max",
+                      "length_mu", "length_sigma")
 # Beside a prompts file (since 2026-12-07, as its absolute path), "data" records the digest of
 # its content the resume check takes (trainer/inputs.py): the prompts' lengths are its content,
 # not its path. The path as typed was compared: './p.jsonl', 'p.jsonl' and '/abs/p.jsonl' were
@@ -270,22 +280,24 @@ def _input_digests(cfg: Any, inputs: Optional[Mapping[str, Any]]) -> Mapping[str
 
 
 def run_length_inputs(cfg: Any, inputs: Optional[Mapping[str, Any]] = None) -> dict:
-  """The fields (LENGTH_INPUT_FIELDS) the run `cfg`'s lengths come from: a prompts file (its
-  prompts; its responses uniform, their limit compared as max_new_tokens), else the task, its
-  prompt count and its target lengths' distribution (length_mu and length_sigma of a
-  log-normal only: a uniform one reads neither); then the tokenizer and the chat template. A
-  file's (LENGTH_INPUT_FILES) as its absolute path and its content's digests where it exists:
-  of `inputs`, the resume check's fingerprints, where given (_input_digests)."""
+  """The fields (LENGTH_INPUT_FIELDS) the run `cfg`'s lengths come from: a prompts file and
+  the field of its rows read as the prompt (its responses uniform, their limit compared as
+  max_new_tokens), else the task, its prompt count and its target lengths' distribution
+  (length_mu and length_sigma of a log-normal only: a uniform one reads neither); then the
+  fraction held out, the tokenizer and the chat template. A file's (LENGTH_INPUT_FILES) as its
+  absolute path and its content's digests where it exists: of `inputs`, the resume check's
+  fingerprints, where given (_input_digests)."""
   d = cfg.data
   if d.prompts_file:
-    out = {"prompts_file": d.prompts_file}
+    out = {"prompts_file": d.prompts_file, "prompt_key": d.prompt_key}
   else:
     out = {"prompts_file": "", "task": d.task, "num_prompts": d.num_prompts,
            "length_dist": d.length_dist, "length_min": d.length_min,
            "length_max": d.length_max}
     if d.length_dist == "lognormal":
       out.update(length_mu=d.length_mu, length_sigma=d.length_sigma)
-  out.update(tokenizer=cfg.init.tokenizer, chat_template=d.chat_template)
+  out.update(val_fraction=d.val_fraction, tokenizer=cfg.init.tokenizer,
+             chat_template=d.chat_template)
   digests = _input_digests(cfg, inputs)
   for key, (digest_key, no_file) in LENGTH_INPUT_FILES.items():
     if out[key] in no_file:
@@ -328,10 +340,12 @@ def _length_differences(lengths: Mapping[str, Any], cfg: Any,
   if not isinstance(data, Mapping):
     return []
   run = run_length_inputs(cfg, inputs)
-  prompts_file = bool(data.get("prompts_file", "") or cfg.data.prompts_file)
+  # (a task's fields where neither has a prompts file, a file's where both have one)
+  source = (FILE_LENGTH_INPUTS if data.get("prompts_file", "") and cfg.data.prompts_file else
+            () if data.get("prompts_file", "") or cfg.data.prompts_file else TASK_LENGTH_INPUTS)
   # (a prompts file compared also where "data" has no entry for it: then none)
   keys = [k for k in LENGTH_INPUT_FIELDS if k == "prompts_file" or k in data and (
-      k in LENGTH_INPUT_FILES or (not prompts_file and k in run))]
+      k in run and k in source or k not in FILE_LENGTH_INPUTS + TASK_LENGTH_INPUTS)]
   out = []
   for k in keys:
     same = (_same_input(data, run, k) if k in LENGTH_INPUT_FILES else
@@ -471,8 +485,9 @@ def plan_workload_unrecorded(plan: Mapping[str, Any]) -> list[str]:
       # (since 2026-12-07: its prompts file is then compared by path alone)
       out.append("content digest of its prompts file (its data.prompts_file is compared by "
                  "path)")
-    later = [LENGTH_INPUT_FIELDS[k] for k in LATER_LENGTH_INPUTS if k not in data and not (
-        k == "num_prompts" and data.get("prompts_file"))]  # (a prompts file's are its own)
+    # (a prompts file's prompts are its own: no task's fields; a task's, no prompt_key)
+    later = [LENGTH_INPUT_FIELDS[k] for k in LATER_LENGTH_INPUTS if k not in data and k not in (
+        TASK_LENGTH_INPUTS if data.get("prompts_file") else FILE_LENGTH_INPUTS)]
     if later:
       out.append(f"{', '.join(later)} of its lengths")
   return out
