@@ -21,6 +21,8 @@ import shutil
 import sys
 import tempfile
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.xla_env import CODEGEN_FLAGS  # pylint: disable=wrong-import-position
 
@@ -71,6 +73,23 @@ HEAVY_FILES = ("test_multiprocess.py", "test_faults.py", "test_pipeline_executor
                "test_plan_check.py", "test_plan.py", "test_trainer_pipelined.py",
                "test_generation.py", "test_activation_sharding.py", "test_async_ppo.py",
                "test_ppo_update_reference.py", "test_trainer.py", "test_trainer_paths.py")
+
+
+# Every XLA:CPU program a process holds, compiled or loaded from the persistent cache, keeps about
+# 35 memory maps (LLVM's JIT: its code and data), and Linux caps a process's maps at
+# vm.max_map_count (65530 by default). jax keeps each program in its in-memory caches as long as
+# its jitted function lives (a module-level one: the whole run), so an xdist worker kept the
+# programs of every file it ran: +1800 to +4100 maps a heavy file. Past the cap LLVM maps no more
+# code, and loading or compiling a program aborts ("LLVM ERROR: Unable to allocate section
+# memory": 1750 cached programs loaded in one process, 2026-12-07) or segfaults (the CI run of
+# 2026-12-07, at ~78 %, in jax's compilation_cache.get_executable_and_time). So jax's caches are
+# dropped after each file: a worker holds one file's programs at a time, and the next file loads
+# the ones it shares from the persistent cache.
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+  yield  # the file's fixtures are torn down first
+  if (nextitem is None or nextitem.path != item.path) and "jax" in sys.modules:
+    sys.modules["jax"].clear_caches()
 
 
 def pytest_configure(config):
