@@ -154,7 +154,9 @@ def test_tiny_end_to_end_and_agrees_with_real_arrays(tmp_path):
                                            prompt_len=cfg.prompt_len)
                for i, m in enumerate(inst_lib.split_devices(devices, n, cfg.gen_tp))]
   generator = types.SimpleNamespace(instances=instances, local=list(range(n)), cfg=cfg.actor,
-                                    config=types.SimpleNamespace(instance_devices=cfg.gen_tp))
+                                    config=types.SimpleNamespace(instance_devices=cfg.gen_tp),
+                                    _actor_layouts={})
+  generator._actor_layouts_of = lambda p: fused.FusedGenerator._actor_layouts_of(generator, p)
   placed = fused.FusedGenerator.place_actor(generator, copy)
   assert devices[0] in instances[0].devices
 
