@@ -271,7 +271,8 @@ def test_the_loop_trains_on_the_behaviour_log_probs_against_the_reference():
   algo = AlgoConfig(kl_estimator="k1")
   fake = types.SimpleNamespace(  # what _advantages reads of the trainer
       cfg=types.SimpleNamespace(algo=algo, rollout=types.SimpleNamespace(
-          max_new_tokens=t, samples_per_prompt=1)), _put=jnp.asarray)
+          max_new_tokens=t, samples_per_prompt=1),
+          reward=types.SimpleNamespace(clip_bounds=None)), _put=jnp.asarray)
   data, stats = loop.PPOTrainer._advantages(fake, gen)  # pylint: disable=protected-access
   np.testing.assert_array_equal(data["old_logp"], gen.logprobs)
   np.testing.assert_array_equal(data["ref_logp"], gen.ref_logp)
@@ -394,7 +395,7 @@ def test_decoupled_async_ppo_weights_by_the_behaviour_log_probs():
   fake = types.SimpleNamespace(
       cfg=types.SimpleNamespace(
           async_ppo=types.SimpleNamespace(objective="decoupled", behaviour_weight_cap=0.0),
-          model="M", rollout=types.SimpleNamespace(temperature=0.7),
+          model="M", rollout=types.SimpleNamespace(temperature=0.7, max_new_tokens=t),
           guard=types.SimpleNamespace(on_nonfinite="skip_update")),  # (test_faults.py: "stop")
       _rescore_params=lambda name: f"{name} now",
       _rescorer=types.SimpleNamespace(logprobs=ref_logprobs))

@@ -862,9 +862,14 @@ def test_an_in_flight_batchs_side_car_is_plain_json():
 # trainer/loop.py (an eighth audit, of trainer/: mutant ids Lnn) ----------------------------------
 
 def _fake_trainer(**fields):
-  """What a PPOTrainer method reads of the trainer, nothing built (a SimpleNamespace)."""
+  """What a PPOTrainer method reads of the trainer, nothing built (a SimpleNamespace), with the
+  trainer's own mini-batch gather (_minibatch: host arrays sliced and put with `_put`)."""
   import types
-  return types.SimpleNamespace(**fields)
+  from rlhfuse_jax.trainer import loop
+  fake = types.SimpleNamespace(_row_takers={}, **fields)
+  # pylint: disable-next=protected-access
+  fake._minibatch = lambda data, idx: loop.PPOTrainer._minibatch(fake, data, idx)
+  return fake
 
 
 def test_each_epoch_of_each_iteration_deals_the_rows_into_new_mini_batches():
