@@ -1084,7 +1084,6 @@ def test_a_generation_groups_pipeline_keeps_the_reference_on_its_inference_mesh(
   actor."""
   from rlhfuse_jax.sim import iteration_sim as it
   from rlhfuse_jax.sim import plan_search as ps
-  from rlhfuse_jax.sim import shapes
   from rlhfuse_jax.trainer.config import TrainConfig
   from rlhfuse_jax.trainer.loop import PPOTrainer
   run = _async_run(**{"async_ppo.generation_devices": 4, "plan.generation": "pipeline",
@@ -1092,16 +1091,10 @@ def test_a_generation_groups_pipeline_keeps_the_reference_on_its_inference_mesh(
   run.model.num_layers = run.critic_model.num_layers = 2
   trainer = PPOTrainer(TrainConfig.from_config_dict(run), str(tmp_path))
   group = set(trainer.gen_mesh.devices.flat)
-  held = {}
-  for x in jax.tree.leaves(trainer.rollout.reference):
-    for shard in x.addressable_shards:
-      held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+  held = _reference_bytes_by_device(trainer)
   assert set(held) == group and len(set(held.values())) == 1
   cfg = TrainConfig.from_config_dict(run)
-  wl = it.Workload(actor=shapes.from_model_config(cfg.model, "actor", dtypes=True),
-                   critic=shapes.from_model_config(cfg.critic_model, "critic", dtypes=True),
-                   num_devices=8, global_batch=16, minibatch=8, max_new_tokens=6,
-                   reward_model=False)  # (ppo_tiny scores with a function)
+  wl = _tiny_workload(cfg)
   plan = {"generation": {"mode": "pipeline", "tp": 1, "pp": 2, "groups": 2, "slots": 16},
           "inference": {"tp": 2, "pp": 1},
           "training": {"placement": "colocated", "devices": 4, "tp": 1, "actor_pp": 1,
@@ -1113,6 +1106,25 @@ def test_a_generation_groups_pipeline_keeps_the_reference_on_its_inference_mesh(
   assert gen["parts"]["frozen weights kept"] == pytest.approx(max(held.values()), rel=0.05)
   assert gen["parts"][ps.GROUP_ACTOR] == pytest.approx(
       plan_programs._nbytes(llama.param_shapes(cfg.model)), rel=0.01)
+
+
+def _reference_bytes_by_device(trainer) -> dict:
+  """{device: bytes of the trainer's reference model's shards on it}."""
+  held = {}
+  for x in jax.tree.leaves(trainer.rollout.reference):
+    for shard in x.addressable_shards:
+      held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+  return held
+
+
+def _tiny_workload(cfg):
+  """The simulator's workload of a ppo_tiny-shaped run `cfg` on 8 devices."""
+  from rlhfuse_jax.sim import iteration_sim as it
+  from rlhfuse_jax.sim import shapes
+  return it.Workload(actor=shapes.from_model_config(cfg.model, "actor", dtypes=True),
+                     critic=shapes.from_model_config(cfg.critic_model, "critic", dtypes=True),
+                     num_devices=8, global_batch=16, minibatch=8, max_new_tokens=6,
+                     reward_model=False)  # (ppo_tiny scores with a function)
 
 
 def test_async_ppos_copy_of_the_actor_stands_beside_the_update_and_the_generation(tmp_path):
@@ -2514,23 +2526,16 @@ def test_a_synchronous_pipeline_keeps_the_frozen_models_beside_the_update(tmp_pa
   trainer a plan whose update does not fit beside them."""
   from rlhfuse_jax.sim import iteration_sim as it
   from rlhfuse_jax.sim import plan_search as ps
-  from rlhfuse_jax.sim import shapes
   from rlhfuse_jax.trainer.config import TrainConfig
   from rlhfuse_jax.trainer.loop import PPOTrainer
   run = _async_run(**{"async_ppo.staleness": 0, "plan.generation": "pipeline",
                       "plan.generation_pp": 2, "plan.inference_tp": 2})
   run.model.num_layers = run.critic_model.num_layers = 2
   trainer = PPOTrainer(TrainConfig.from_config_dict(run), str(tmp_path))
-  held = {}
-  for x in jax.tree.leaves(trainer.rollout.reference):
-    for shard in x.addressable_shards:
-      held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+  held = _reference_bytes_by_device(trainer)
   assert set(held) == set(trainer.mesh.devices.flat) and len(set(held.values())) == 1
   cfg = TrainConfig.from_config_dict(run)
-  wl = it.Workload(actor=shapes.from_model_config(cfg.model, "actor", dtypes=True),
-                   critic=shapes.from_model_config(cfg.critic_model, "critic", dtypes=True),
-                   num_devices=8, global_batch=16, minibatch=8, max_new_tokens=6,
-                   reward_model=False)  # (ppo_tiny scores with a function)
+  wl = _tiny_workload(cfg)
   plan = {"generation": {"mode": "pipeline", "tp": 1, "pp": 2, "groups": 2, "slots": 16},
           "inference": {"tp": 2, "pp": 1},
           "training": {"placement": "colocated", "devices": 8, "tp": 1, "actor_pp": 1,
