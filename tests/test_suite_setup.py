@@ -65,7 +65,9 @@ def test_the_programs_of_a_finished_file_are_released_past_a_share_of_the_map_ca
   for name, text in (("_held_programs", _HELD), ("test_a_first", _FIRST),
                      ("test_b_second", _SECOND)):
     (tmp_path / f"{name}.py").write_text(text)
-  env = {**subprocess_env(8), "RLHFUSE_TEST_CLEAR_AT_MAP_SHARE": share}
+  # (a cache of its own: programs the other case wrote would load, with fewer maps than compiled)
+  env = {**subprocess_env(8), "RLHFUSE_TEST_CLEAR_AT_MAP_SHARE": share,
+         "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla_cache")}
   out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest",
                         "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
                         str(tmp_path / "test_a_first.py"), str(tmp_path / "test_b_second.py")],
