@@ -1441,6 +1441,16 @@ def test_the_colocated_async_option_is_charged_the_rescore_and_no_critic_on_the_
       heaviest_stage_weight_bytes((a, c, c), inf["pp"]) / inf["tp"], rel=1e-9)
 
 
+def _async_search_7b_on_16():
+  """(workload, options, plan_search.search's result) of LLaMA-7B/7B on 16 devices, staleness 1:
+  the uniform-fallback tests' setting."""
+  a = get_shape("llama-7b")
+  wl = it.Workload(actor=a, critic=a.as_critic(), num_devices=16, global_batch=64,
+                   minibatch=32, max_new_tokens=64)
+  opt = it.SimOptions()
+  return wl, opt, ps.search(COST, wl, opt, top_k=1, staleness=1, split_unit=8)
+
+
 def test_the_uniform_layout_run_asynchronously_is_charged_the_rescore_too():
   """pipe_rlhf_async's row takes the uniform layout (every stage on one layout, no reshard)
   where it beats the asynchronous search's best; it is run asynchronously then, charged as the
@@ -1448,11 +1458,7 @@ def test_the_uniform_layout_run_asynchronously_is_charged_the_rescore_too():
   (tp, pp, pp) training layout over all the devices. Until 2026-12-07 the row compared the
   uniform layout's synchronous time: one 1 ms below the split's best was taken, though with the
   rescore (two forwards for the critic's one) it is slower than the split."""
-  a = get_shape("llama-7b")
-  wl = it.Workload(actor=a, critic=a.as_critic(), num_devices=16, global_batch=64,
-                   minibatch=32, max_new_tokens=64)
-  opt = it.SimOptions()
-  res = ps.search(COST, wl, opt, top_k=1, staleness=1, split_unit=8)
+  wl, opt, res = _async_search_7b_on_16()
   best = res["async"]["best"]
   assert not best["async"]["colocated"]
   u = res["uniform"]
@@ -1467,7 +1473,7 @@ def test_the_uniform_layout_run_asynchronously_is_charged_the_rescore_too():
   # By hand: what the uniform layout costs asynchronously.
   prompts, resp = wl.sample_lengths()
   seq = (prompts + resp).astype(np.float64)
-  inf_s = ps.inference_stage_s(COST, (a, a.as_critic()), 16, lay["tp"], lay["pp"], seq, 8, True)
+  inf_s = ps.inference_stage_s(COST, (wl.actor, wl.critic), 16, lay["tp"], lay["pp"], seq, 8, True)
   rescore = _rescore(wl, seq, True, (16, lay["tp"], lay["pp"]), (16, lay["tp"], lay["pp"]))
   got = ps.async_colocated_predicted(
       COST, wl, opt, u["predicted"], {"tp": lay["tp"], "pp": lay["pp"]},
@@ -1552,11 +1558,7 @@ def test_the_uniform_layout_run_asynchronously_is_memory_checked_as_the_colocate
   (plan_search._memory_refusal on the layout's plans). On hardware whose HBM holds the layout
   synchronously but not with those, the fallback is refused and its reason recorded; until
   2026-12-07 it was taken, checked only as the synchronous uniform_candidates checks it."""
-  a = get_shape("llama-7b")
-  wl = it.Workload(actor=a, critic=a.as_critic(), num_devices=16, global_batch=64,
-                   minibatch=32, max_new_tokens=64)
-  opt = it.SimOptions()
-  res = ps.search(COST, wl, opt, top_k=1, staleness=1, split_unit=8)
+  wl, opt, res = _async_search_7b_on_16()
   best = res["async"]["best"]
   u = res["uniform"]
   plans = u["plans"]
