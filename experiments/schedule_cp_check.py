@@ -21,7 +21,8 @@ Minimise mode (--minimize): minimises the makespan, hinted with (and bounded abo
 schedule the heuristic search finds in --hint_search_s seconds, or by a kept schedule
 (--hint_schedule=DIR/schedule.json, to go on from an earlier run), bounded below by the tight bound;
 reports the best makespan found and CP-SAT's proven lower bound (equal: a proven optimum).
-A schedule found is written as schedule.json and gantt.png, as schedule_search does;
+A schedule found is written as schedule.json and gantt.png (its title in gantt.json, which
+pipeline/gantt.py's redraw reads), as schedule_search does;
 schedule.json is rewritten (atomically) at each improvement, so stopping a long run early keeps
 its best schedule. --log_search prints CP-SAT's own progress log (bounds, subsolvers).
 
@@ -373,7 +374,8 @@ def main(argv):
       default_target = ev.makespan - (shift if _SPLICE.value else 0)
   target = config_files.check_makespan_target(_TARGET.value, default_target)
   # After every check and the hint: a mistyped flag leaves the earlier run's files in place.
-  wd.start_outputs(_WORKDIR.value, _CONFIG.value, ("result.json", "schedule.json", "gantt.png"),
+  wd.start_outputs(_WORKDIR.value, _CONFIG.value,
+                   ("result.json", "schedule.json", "gantt.png", "gantt.json"),
                    inputs=(_HINT_SCHEDULE.value,))
   sched_path = os.path.join(_WORKDIR.value, "schedule.json")
 
@@ -409,9 +411,7 @@ def main(argv):
     # seed a search, run through the executor, or be looked at).
     sched = schedule.from_order(problem, order)
     wd.atomic_write_text(sched_path, sched.to_json() + "\n")
-    gantt.plot_gantt(sched, os.path.join(_WORKDIR.value, "gantt.png"),
-                     title=f"CP-SAT schedule: makespan {ev.makespan:g}, tight LB {lb:g}, "
-                           f"peak/budget {ev.peak_over_budget:.2f}")
+    gantt.draw(sched, _WORKDIR.value, gantt.cp_sat_title(ev.makespan, lb, ev.peak_over_budget))
   result["verdict"] = verdict(status, _MINIMIZE.value, subset=bool(devices),
                               pinned=fixed is not None)
   found = ", ".join(f"{k} {result[k]:g}" for k in ("makespan", "proven_lower_bound")
@@ -419,7 +419,8 @@ def main(argv):
   logging.info("target %d (LB %g): %s (CP-SAT %s in %.1fs)%s", target, lb, result["verdict"],
                status, secs, f"; {found}" if found else "")
   path = runner.write_result(_WORKDIR.value, result)
-  logging.info("wrote %s%s", path, " (+ schedule.json, gantt.png)" if order is not None else "")
+  logging.info("wrote %s%s", path,
+               " (+ schedule.json, gantt.png, gantt.json)" if order is not None else "")
 
 
 if __name__ == "__main__":

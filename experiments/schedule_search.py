@@ -4,7 +4,8 @@
 
 Writes into --workdir: config.json, result.json (serial 1F1B, greedy, searched, lower bounds, gap,
 bubbles, per-device peak memory against the budget, the best schedule without the budget),
-schedule.json (pipeline/schedule.py format) and gantt.png.
+schedule.json (pipeline/schedule.py format) and gantt.png, its title kept in gantt.json
+(`python -c "from rlhfuse_jax.pipeline import gantt; gantt.redraw('DIR')"` draws it again).
 
 The budget is config.memory_budget_mode's ("uniform" by default, or "per_device"; graph.py) unless
 config.memory_budget gives one; result.json names the mode in force ("explicit" for a given
@@ -58,7 +59,7 @@ def run(c, workdir: str) -> dict:
     raise ValueError(f"config.memory_budget={c.memory_budget:g}: expected at least max(actor_mem, "
                      f"critic_mem) = {need:g} (every device runs a forward of each model), or -1 "
                      "for the budget of config.memory_budget_mode")
-  wd.start_outputs(workdir, c, ("result.json", "schedule.json", "gantt.png"))
+  wd.start_outputs(workdir, c, ("result.json", "schedule.json", "gantt.png", "gantt.json"))
   serial = evaluate(problem, schedules.serial_order(problem), schedules.serial_release(problem))
   greedy = evaluate(problem, schedules.greedy_order(problem))
   lb = bounds.tight_lower_bound(problem)
@@ -106,12 +107,8 @@ def run(c, workdir: str) -> dict:
   }
   runner.write_result(workdir, result)
   wd.atomic_write_text(os.path.join(workdir, "schedule.json"), sched.to_json() + "\n")
-  gantt.plot_gantt(sched, os.path.join(workdir, "gantt.png"),
-                   title=(f"fused schedule of Pa/Pc={problem.actor_pp}/{problem.critic_pp} "
-                          f"Ma/Mc={problem.actor_microbatches}/{problem.critic_microbatches}: "
-                          f"makespan {best.makespan:g}, tight LB {lb:g}, serial "
-                          f"{serial.makespan:g}, peak/budget "
-                          f"{best.peak_over_budget:.2f} ({problem.memory_budget_mode})"))
+  gantt.draw(sched, workdir, gantt.search_title(problem, best.makespan, lb, serial.makespan,
+                                                 best.peak_over_budget))
   logging.info("%s", summary(result, workdir))
   return result
 

@@ -62,8 +62,16 @@ def test_schedule_search_binary_writes_results(tmp_path):
               "--config.critic_pp=2", "--config.actor_microbatches=4",
               "--config.critic_microbatches=4", "--config.actor_fwd=2", "--config.critic_fwd=1"])
   assert out.returncode == 0, out.stderr[-3000:]
-  for f in ("config.json", "result.json", "schedule.json", "gantt.png"):
+  for f in ("config.json", "result.json", "schedule.json", "gantt.png", "gantt.json"):
     assert os.path.getsize(tmp_path / f) > 0, f
+  # gantt.png's title is kept (gantt.json): the figure redraws from the workdir, byte for byte
+  from rlhfuse_jax.pipeline import gantt
+  title = json.loads((tmp_path / "gantt.json").read_text())["title"]
+  assert title.startswith("fused schedule of Pa/Pc=4/2 Ma/Mc=4/4: makespan "), title
+  png = (tmp_path / "gantt.png").read_bytes()
+  os.remove(tmp_path / "gantt.png")
+  gantt.redraw(str(tmp_path))
+  assert (tmp_path / "gantt.png").read_bytes() == png
   result = json.loads((tmp_path / "result.json").read_text())
   for key in ("serial_1f1b", "greedy", "searched", "lower_bound", "lower_bound_simple",
               "gap_to_lower_bound", "bubble", "peak_memory", "search_s", "evaluations",

@@ -183,10 +183,7 @@ class Evaluation:
 
   @property
   def peak_over_budget(self) -> float:
-    """Largest per-device peak / budget. A device with budget 0 (activation memory 0, a search
-    without memory) counts 0 while it holds nothing: peaks / budget was nan there."""
-    held = np.where(self.peaks > 1e-9, np.inf, 0.0)
-    return float(np.divide(self.peaks, self.budget, out=held, where=self.budget > 0).max())
+    return peak_over_budget(self.peaks, self.budget)
 
   @property
   def bubble(self) -> float:
@@ -204,6 +201,14 @@ def objective_key(valid: bool, overflow: float, makespan: float, peaks: np.ndarr
     return (1, np.inf, np.inf, np.inf, np.inf, np.inf)
   return (0, round(overflow, 9), round(makespan, 9), round(float(np.max(peaks)), 9),
           round(float(np.sum(peaks)), 9), round(sum_finish, 9))
+
+
+def peak_over_budget(peaks, budget) -> float:
+  """Largest per-device peak / budget ([N] each). A device with budget 0 (activation memory 0,
+  a search without memory) counts 0 while it holds nothing: peaks / budget was nan there."""
+  peaks, budget = np.asarray(peaks, np.float64), np.asarray(budget, np.float64)
+  held = np.where(peaks > 1e-9, np.inf, 0.0)
+  return float(np.divide(peaks, budget, out=held, where=budget > 0).max())
 
 
 def evaluate(problem: PipelineProblem, order: np.ndarray, release=(0.0, 0.0)) -> Evaluation:
