@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Optional
 
 import numpy as np
 from absl import flags, logging
@@ -112,14 +113,36 @@ def plot_figures(result: dict, workdir: str) -> list[str]:
 
 def redraw(workdir: str) -> list[str]:
   """The PNGs of a finished run in `workdir`, drawn again from its result.json alone (no
-  simulation); returns their paths."""
+  simulation); returns their paths. A result written before 2026-12-07 keeps no `figures`:
+  iteration_time.png alone is drawn, from its `rows` (rows_figure), with a warning; its
+  timelines and schedules were never kept, so the other two PNGs need its command again."""
   path = os.path.join(workdir, "result.json")
   result = wd.read_result(workdir, "reproduce_ablations")
   if "figures" not in result:
-    raise ValueError(f"{path}: no `figures` (a reproduce_ablations result written before "
-                     "2026-12-07 does not keep what its PNGs draw; its command, in "
-                     "`provenance`, draws them again)")
+    figure = rows_figure(result.get("rows"))
+    if figure is None:
+      raise ValueError(f"{path}: no `figures` (a reproduce_ablations result written before "
+                       "2026-12-07 does not keep what its PNGs draw; its command, in "
+                       "`provenance`, draws them again)")
+    logging.warning("%s: no `figures` (written before 2026-12-07): iteration_time.png alone, "
+                    "from its rows; generation_timeline.png and fused_gantt.png need the "
+                    "simulation again (its command, in `provenance`)", path)
+    result = {**result, "figures": {"iteration_time": figure}}
   return [os.path.join(workdir, name) for name in plot_figures(result, workdir)]
+
+
+def rows_figure(rows) -> Optional[dict]:
+  """figure_data's `iteration_time` entry as a result's `rows` give it (None without rows):
+  the systems in the rows' order (the config's, each setting's rows in it) and the cluster
+  their settings name (the config's num_devices and hardware)."""
+  if not isinstance(rows, list) or not rows or not all(
+      isinstance(r, dict) and "system" in r and isinstance(r.get("setting"), dict)
+      and {"num_devices", "hardware"} <= r["setting"].keys() for r in rows):
+    return None
+  machines = dict.fromkeys(f"{r['setting']['num_devices']} x {r['setting']['hardware']}"
+                           for r in rows)
+  return {"systems": list(dict.fromkeys(r["system"] for r in rows)),
+          "machine": " / ".join(machines)}
 
 
 def _serial_schedule(problem, order):

@@ -487,6 +487,71 @@ print(json.dumps({"paths": paths, "seen": SEEN}))
   assert f"gen+inf {rows['inter_stage']['gen_plus_inf_s']:.3g}s" in timeline_axes[1]["title"]
 
 
+# iteration_time.png as drawn: the figure's heading, each panel's title, systems, bar labels
+# and bars (x, bottom, height), then saved as before.
+_BARS = """
+import json
+import sys
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.figure
+SEEN = []
+_save = matplotlib.figure.Figure.savefig
+
+def _record(fig, path, *a, **kw):
+  SEEN.append({"heading": fig._suptitle.get_text() if fig._suptitle else None, "panels": [
+      [ax.get_title(), [t.get_text() for t in ax.get_xticklabels()],
+       [t.get_text() for t in ax.texts],
+       [[float(p.get_x()), float(p.get_y()), float(p.get_height())] for p in ax.patches]]
+      for ax in fig.axes if ax.get_title()]})
+  return _save(fig, path, *a, **kw)
+
+matplotlib.figure.Figure.savefig = _record
+from experiments import reproduce_ablations as ra
+paths = ra.redraw(sys.argv[1])
+print(json.dumps({"paths": paths, "seen": SEEN}))
+"""
+
+
+def test_a_result_kept_without_figures_redraws_its_iteration_times_from_its_rows(tmp_path):
+  """A reproduce_ablations result written before 2026-12-07 keeps no `figures`, but its rows
+  are iteration_time.png's bars and name the systems and the cluster: redraw draws that PNG
+  (it refused the whole folder); the timelines and schedules were never kept. Checked on
+  chunk_steps_1, whose kept `figures` must give the same figure, and on ablations_2026-12-05."""
+  with open(os.path.join(KEPT_ABLATIONS, "chunk_steps_1", "result.json")) as f:
+    result = json.load(f)
+  full, bare = tmp_path / "full", tmp_path / "bare"
+  for where, kept in ((full, result), (bare, {k: v for k, v in result.items()
+                                              if k != "figures"})):
+    where.mkdir()
+    (where / "result.json").write_text(json.dumps(kept))
+  got_full, got_bare = _python(_BARS, str(full)), _python(_BARS, str(bare))
+  assert got_bare["paths"] == [str(bare / "iteration_time.png")]
+  assert got_bare["seen"] == got_full["seen"][:1]
+  assert (_pixels(bare / "iteration_time.png") == _pixels(full / "iteration_time.png")).all()
+  old = tmp_path / "old"
+  old.mkdir()
+  with open(os.path.join(REPO, "experiments", "results", "ablations_2026-12-05",
+                         "result.json")) as f:
+    rows = json.load(f)["rows"]
+  (old / "result.json").write_text(json.dumps({"rows": rows}))
+  out = subprocess.run([sys.executable, "-c", _BARS, str(old)], cwd=REPO,
+                       env=subprocess_env(None), capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert (f"{old}/result.json: no `figures` (written before 2026-12-07): iteration_time.png "
+          "alone, from its rows" in out.stderr), out.stderr[-3000:]
+  got = json.loads(out.stdout.strip().splitlines()[-1])
+  figure, = got["seen"]
+  assert figure["heading"] == "simulated iteration time on 256 x h100_sxm"
+  labels = list(dict.fromkeys(r["setting"]["label"] for r in rows))
+  systems = list(dict.fromkeys(r["system"] for r in rows))
+  assert [p[0] for p in figure["panels"]] == labels and len(labels) == 12
+  for title, ticks, texts, _ in figure["panels"]:
+    assert ticks == systems
+    # each bar's label: its row's stages stacked (pipe_rlhf_async's: its iteration time)
+    assert texts == [f"{r['iteration_s']:.1f}" for r in rows if r["setting"]["label"] == title]
+
+
 _BENCH_DECODE_PLOT = _CAPTURE + """
 import sys
 from experiments import bench_decode as bd
