@@ -160,6 +160,13 @@ def test_metrics_and_timeline(one_device, runs):
     kinds = {k for _, _, _, k in tl.segments}
     assert {"prefill", "decode", "load", "inference"} <= kinds
   assert base.metrics["fusion/inference_overlap_frac"] == 0.0  # inference after generation
+  # ... so no instance is freed for it before generation ends; a consolidation frees (at least)
+  # the instances it released, whose loads may or may not end within the tail (timing).
+  assert base.metrics["fusion/freed_before_gen_end"] == 0
+  assert base.metrics["fusion/loaded_before_gen_end"] == 0
+  assert early.metrics["fusion/freed_before_gen_end"] >= len(early.consolidations[0]["released"])
+  assert early.metrics["fusion/freed_before_gen_end"] >= (
+      early.metrics["fusion/loaded_before_gen_end"])
   # The baseline too stops decoding an instance once its own samples have finished
   # (docs/architecture.md §2 said it decoded on all instances until the last sample).
   assert base.metrics["gen/instance_chunks"] < 4 * base.metrics["gen/decode_rounds"]
@@ -398,6 +405,20 @@ def test_timeline_metrics_average_over_the_watched_instances():
   assert mine.inference_overlap_frac == 0.5
   everyone = dataclasses.replace(mine, observed=None)
   assert everyone.instance_busy_frac == 0.5  # one process holding both: the other idles
+
+
+def test_instances_loaded_before_generation_ended_count_only_loads_that_ended_in_time():
+  """The count behind a 0 % overlap's reason on the progress line: an instance whose weights
+  came in after the tail ended (2 here) could not score during it, nor could another process's
+  (3, not watched) or one that never loaded (0)."""
+  segments = [(0, 0.0, 1.0, "decode"), (1, 0.5, 0.8, "load"), (1, 0.8, 1.2, "inference"),
+              (2, 0.6, 1.1, "load"), (2, 1.1, 1.3, "inference"), (3, 0.5, 0.6, "load")]
+  tl = Timeline(num_instances=4, segments=segments, unfinished_curve=[], consolidations=[],
+                gen_end_s=1.0, gen_plus_inf_s=1.3, observed=(0, 1, 2))
+  assert tl.loaded_before_gen_end == 1
+  late = dataclasses.replace(tl, gen_end_s=0.7)  # every load still running when the tail ended
+  assert late.loaded_before_gen_end == 0 and late.inference_overlap_frac == 0.0
+  assert dataclasses.replace(tl, gen_end_s=1.2).loaded_before_gen_end == 2
 
 
 def test_migration_time_leaves_out_the_decoding_between_two_consolidations():

@@ -946,6 +946,7 @@ class _Run:
     self.reasons: list = []
     self.actor_params = actor_params  # a PlacedOnInstances (FusedGenerator.place_actor)
     self.place_s = place_s  # seconds place_actor took
+    self.freed_before_end = 0  # instances freed for inference before generation ended
 
   def read(self, ran: list[int], summaries: dict) -> None:
     """The summaries [3, S] of the instances that ran this round (`summaries`: this process's)
@@ -1164,6 +1165,7 @@ class _Run:
           self.infer.free(i)
         self.infer.stream()
     gen_end = log.now()
+    self.freed_before_end = len(self.infer.freed)  # (drain frees more, after generation)
     del params
     self.infer.drain()
     results = self.infer.collect()
@@ -1219,6 +1221,11 @@ class _Run:
         "gen/migration_cross_host_compile_s": float(sum(c["cross_host_compile_s"] for c in cons)),
         "gen/instance_busy_frac": tl.instance_busy_frac,
         "fusion/inference_overlap_frac": tl.inference_overlap_frac,
+        # Why an overlap is 0: instances freed for inference before generation ended (released
+        # by the consolidation or done with their samples; set by the tokens, not by timing),
+        # and of this process's, those whose weights were in by then (timing: the loads).
+        "fusion/freed_before_gen_end": self.freed_before_end,
+        "fusion/loaded_before_gen_end": tl.loaded_before_gen_end,
         "fusion/weight_load_s": tl.kind_s("load"),
         "fusion/weight_load_bytes": load_bytes,
         "fusion/rt": float(self.rt),

@@ -187,6 +187,15 @@ class Timeline:
                  for i in self.watched)
     return before / total
 
+  @property
+  def loaded_before_gen_end(self) -> int:
+    """Watched instances whose inference weights were in (a "load" segment ended) before
+    generation ended: only these can have scored while the tail decoded. With none, inference
+    overlap is 0 whatever the driver does (a load longer than the tail after the instances
+    were freed: docs/architecture.md §2)."""
+    return len({i for i, _, e, k in self.segments
+                if k == "load" and e < self.gen_end_s and i in self.watched})
+
   def span_s(self, kind: str) -> float:
     """From the first start to the last end of the segments of one kind (0 if none)."""
     spans = [(s, e) for _, s, e, k in self.segments if k == kind]
