@@ -145,6 +145,29 @@ def test_progress_summary_is_one_phrase():
   assert rollout.progress_summary(m) == "gen: no consolidation (Rt=0), inference overlap 0%"
 
 
+def test_progress_summary_says_why_inference_overlapped_nothing():
+  """A 0 % overlap says why it could not be more (a loaded 2-core run showed 0 % in most
+  iterations and nothing said whether fusion was broken): no instance freed before the tail
+  ended, or none whose weights came in by then. A positive overlap, or a 0 % that has neither
+  reason, keeps the plain phrase."""
+  m = {"gen/migrated_samples": 0, "gen/migrated_kv_bytes": 0, "fusion/rt": 0.3,
+       "fusion/inference_overlap_frac": 0.0, "fusion/freed_before_gen_end": 0,
+       "fusion/loaded_before_gen_end": 0}
+  assert rollout.progress_summary(m) == (
+      "gen: no consolidation (Rt=0.3), inference overlap 0% (no instance freed before "
+      "generation ended)")
+  m.update({"gen/migrated_samples": 9, "gen/migrated_kv_bytes": 120000,
+            "gen/consolidation_step": 10, "gen/consolidated_from": 8, "gen/consolidated_to": 3,
+            "fusion/freed_before_gen_end": 5})
+  assert rollout.progress_summary(m) == (
+      "gen: consolidated 8->3 instances at decode step 10 (Rt=0.3), migrated 9 samples (120 kB "
+      "KV), inference overlap 0% (5 freed, none loaded its weights before generation ended)")
+  m["fusion/loaded_before_gen_end"] = 1  # in time, but nothing dispatched before the end
+  assert rollout.progress_summary(m).endswith("), inference overlap 0%")
+  m["fusion/inference_overlap_frac"] = 0.25
+  assert rollout.progress_summary(m).endswith("), inference overlap 25%")
+
+
 def test_progress_summary_says_what_async_ppo_and_pipelined_generation_did():
   """The progress line of an asynchronous or pipelined-generation run says so (it said nothing:
   the staleness and the overlap were in metrics.jsonl alone)."""

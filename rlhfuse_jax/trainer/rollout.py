@@ -576,14 +576,30 @@ class PlannedStage:
     return score_rollout(self, rollout, params, prompts, m, place_critic, rewards_only)
 
 
+def _no_overlap_reason(m: dict) -> str:
+  """Why an iteration's inference overlapped none of the tail, where it could not (metrics of
+  generation/fused.py; '' where they do not say): no instance was freed before the last sample
+  finished (no consolidation, and every instance held a sample of the tail), or none of the
+  freed ones had its weights in by then (a freed instance loads the reference, critic and
+  reward models first: on a loaded CPU one load can outlast the whole tail after the
+  consolidation; docs/architecture.md §2)."""
+  if m.get("fusion/freed_before_gen_end") == 0:
+    return " (no instance freed before generation ended)"
+  if m.get("fusion/loaded_before_gen_end") == 0:
+    return (f" ({m['fusion/freed_before_gen_end']} freed, none loaded its weights before "
+            "generation ended)")
+  return ""
+
+
 def progress_summary(m: dict) -> str:
   """What the throughput features did in one iteration, for the progress line (from its
   metrics), '; '-joined: inter-stage fusion, 'gen: consolidated 8->2 instances at decode step 12
   (Rt=0.2), migrated 5 samples (40 kB KV), inference overlap 63%' or 'gen: no consolidation
-  (Rt=0), inference overlap 0%'; delayed inter-batch pipelined generation, 'gen pipeline: stages
-  busy 83%'; asynchronous PPO, 'async: staleness 1 (policy 2), overlap 61%' (the overlap only
-  where the iteration generated ahead). Empty for an iteration with none of them (a synchronous
-  run without fusion.inter_stage or a pipelined plan.generation)."""
+  (Rt=0), inference overlap 0% (no instance freed before generation ended)' (a 0 % says why
+  where it could not be more: `_no_overlap_reason`); delayed inter-batch pipelined generation,
+  'gen pipeline: stages busy 83%'; asynchronous PPO, 'async: staleness 1 (policy 2), overlap
+  61%' (the overlap only where the iteration generated ahead). Empty for an iteration with none
+  of them (a synchronous run without fusion.inter_stage or a pipelined plan.generation)."""
   parts = []
   if "gen/migrated_samples" in m:
     rt = f"Rt={m['fusion/rt']:.2g}"
@@ -594,7 +610,10 @@ def progress_summary(m: dict) -> str:
               f"{m['gen/migrated_samples']} samples ({kv} KV)")
     else:
       what = f"no consolidation ({rt})"
-    parts.append(f"gen: {what}, inference overlap {m['fusion/inference_overlap_frac']:.0%}")
+    overlap = f"{m['fusion/inference_overlap_frac']:.0%}"
+    if overlap == "0%":
+      overlap += _no_overlap_reason(m)
+    parts.append(f"gen: {what}, inference overlap {overlap}")
   if "gen/pipeline_stage_busy_frac" in m:
     parts.append(f"gen pipeline: stages busy {m['gen/pipeline_stage_busy_frac']:.0%}")
   if "async/staleness" in m:
