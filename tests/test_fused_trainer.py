@@ -18,7 +18,7 @@ from tests.test_trainer import record_rollouts, tiny_config
 
 # Fusion metrics that measure time (the others are decided from tokens and are deterministic).
 TIMED = ("gen/unfinished_curve", "gen/instance_busy_frac", "fusion/inference_overlap_frac",
-         "fusion/weight_load_s", "gen/migration_s")
+         "fusion/loaded_before_gen_end", "fusion/weight_load_s", "gen/migration_s")
 
 
 def tiny(**overrides):

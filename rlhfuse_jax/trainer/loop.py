@@ -57,9 +57,10 @@ from rlhfuse_jax.trainer.validate import validate
 
 # Metrics that measure time. Everything else is a deterministic function of (config, seed),
 # except the fused rollout's own wall-clock readings, kept under their subsystem's names:
-# gen/unfinished_curve (its x axis is seconds), gen/*_s, gen/instance_busy_frac, fusion/*_s and
-# fusion/inference_overlap_frac (generation/fused.py), and with fusion.migration_threshold=
-# "auto" the decisions made from measured costs (docs/architecture.md §2, "Invariant").
+# gen/unfinished_curve (its x axis is seconds), gen/*_s, gen/instance_busy_frac, fusion/*_s,
+# fusion/inference_overlap_frac and fusion/loaded_before_gen_end (generation/fused.py), and with
+# fusion.migration_threshold="auto" the decisions made from measured costs (docs/architecture.md
+# §2, "Invariant").
 TIMING_PREFIXES = ("timing_s/", "perf/")
 # Exit status of train_ppo after a SIGTERM/SIGINT stop that saved a checkpoint (EX_TEMPFAIL):
 # a scheduler can tell "preempted, re-run to resume" from completion (0) and failure (1).
