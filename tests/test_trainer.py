@@ -835,6 +835,24 @@ def test_a_warmup_longer_than_the_schedule_is_warned_about(caplog):
         caplog.text)
 
 
+def test_the_warmup_warning_counts_in_the_singular_where_there_is_one(caplog):
+  """A one-iteration schedule of one update was warned of as "all 1 optimizer steps of the
+  schedule (1 iterations x 1 updates)"."""
+  from rlhfuse_jax.trainer import update as update_lib
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8))
+  for iterations, epochs, said in (
+      (1, 1, "covers all 1 optimizer step of the schedule (1 iteration x 1 update)"),
+      (2, 2, "covers all 8 optimizer steps of the schedule (2 iterations x 4 updates)")):
+    cfg = tiny_config(**{"optim.warmup_steps": 16, "algo.epochs": epochs,
+                         "algo.minibatch_size": 16 if epochs == 1 else 8})
+    _, tokenizer = build.build_task_and_tokenizer(cfg)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      update_lib.make_update(build.resolve_config(cfg, tokenizer), mesh, use_critic=True,
+                             schedule_iterations=iterations)
+    assert f"config.optim.warmup_steps=16 {said}:" in caplog.text, caplog.text
+
+
 def test_the_update_steps_each_model_at_its_own_rate_on_the_schedule():
   """make_update's learning rates, by the documented formula: linear warm-up over
   optim.warmup_steps optimizer steps, then a cosine to min_lr_ratio over schedule_iterations x

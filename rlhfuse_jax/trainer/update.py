@@ -189,11 +189,12 @@ def make_update(cfg: TrainConfig, mesh: jax.sharding.Mesh, *, use_critic: bool,
   total = schedule_iterations * updates_per_iter
   warmup = min(cfg.optim.warmup_steps, total - 1)
   if cfg.optim.warmup_steps >= total:
-    logging.warning("config.optim.warmup_steps=%d covers all %d optimizer steps of the schedule "
-                    "(%d iterations x %d updates): the learning rate rises until the last step "
-                    "and never decays; lower optim.warmup_steps or raise "
-                    "optim.schedule_iterations", cfg.optim.warmup_steps, total,
-                    schedule_iterations, updates_per_iter)
+    count = lambda n, noun: f"{n} {noun}" + ("" if n == 1 else "s")
+    logging.warning("config.optim.warmup_steps=%d covers all %s of the schedule (%s x %s): the "
+                    "learning rate rises until the last step and never decays; lower "
+                    "optim.warmup_steps or raise optim.schedule_iterations",
+                    cfg.optim.warmup_steps, count(total, "optimizer step"),
+                    count(schedule_iterations, "iteration"), count(updates_per_iter, "update"))
   o = cfg.optim
   if mesh.shape["stage"] > 1:
     # A pipelined model is held stage-stacked: its weight-decay mask is that tree's.
