@@ -381,6 +381,29 @@ def test_a_critic_from_an_openrlhf_reward_model_starts_on_the_normalised_scale(r
   assert np.abs(values["off"] - values["auto"]).max() > 0.1  # the check can fail
 
 
+def test_a_start_reads_the_reward_statistics_once_per_checkpoint(reward_files, tmp_path,
+                                                                 monkeypatch):
+  """The set-up asked for the reward model's statistics (build.reward_normalization) five times
+  per start, each a read and parse of its config.json: at the resume check, at validate, at the
+  models, at the critic and at the rewards. Read once per version of the file (a rewrite is read
+  again); the critic's own checkpoint once."""
+  rm = _with_reward_stats(reward_files["ckpt"], tmp_path / "rm", 0.75, 0.25)
+  critic = _with_reward_stats(reward_files["ckpt"], tmp_path / "critic", 0.5, 2.0)
+  reads = []
+  stats = hf_loader.reward_stats
+  monkeypatch.setattr(hf_loader, "reward_stats", lambda d: reads.append(d) or stats(d))
+  cfg = _reward_run_config(reward_files["prompts"], rm, num_iterations=1, **{
+      "algo.estimator": "gae", "init.critic_checkpoint": str(critic)})
+  trainer = PPOTrainer(cfg, str(tmp_path / "run"), mesh=_mesh4())
+  assert trainer.rollout.rewards.model_norm == (0.75, 0.25)
+  assert sorted(reads) == sorted([str(rm), str(critic)]), reads
+  # a rewritten config.json (another size: other statistics) is read again, not the old ones
+  hf = json.loads((rm / "config.json").read_text())
+  (rm / "config.json").write_text(json.dumps({**hf, "mean": 1.5, "std": 0.5}))
+  assert build.reward_normalization(cfg) == (1.5, 0.5)
+  assert reads.count(str(rm)) == 2, reads
+
+
 def test_prompts_file_is_what_the_trainer_generates_from(reward_files, fused_run):
   """data.prompts_file with the task's tokenizer: every iteration generates from the file's
   prompts (decoded from the recorded prompt tokens), each file record once per iteration (8 of
