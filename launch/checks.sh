@@ -63,28 +63,46 @@ abspath() { [[ "$1" == /* || "$1" == *://* ]] && echo "$1" || echo "$PWD/$1"; }
 # naming both directories (the binary's error names the relative path alone). A bare word (no
 # slash, no dot) is a name as often as a path: --config.reward.kind=model, started beside a
 # model/ folder, became the folder's path and failed validation; it is passed as given, said.
+# absl's other form, the value as the next argument (--config.plan.file ps/plan.json), is read
+# alike: it was passed as given. A flag followed by another flag (a boolean) has no value.
 caller_flag_paths() {
-  local root=$1 arg value
+  local root=$1 args i
   shift
+  args=("$@")
   FLAG_ARGS=()
-  for arg in "$@"; do
-    value=${arg#*=}
-    if [[ "$arg" == -*=* && -n "$value" && "$value" != /* && "$value" != *://* &&
-          ! -e "$root/$value" ]]; then
-      if [[ -e "$value" && "$value" == *[/.]* ]]; then
-        arg="${arg%%=*}=$(abspath "$value")"
-        echo "${arg%%=*}=$value: not under the repository root ($root), where the processes" \
-          "read a relative path; read where the launcher was started: ${arg#*=}" >&2
-      elif [[ -e "$value" ]]; then
-        echo "$arg: passed as given (a name, or a path the processes read under the" \
-          "repository root, $root); for the one where the launcher was started, give" \
-          "./$value" >&2
-      elif [[ "$value" == */* ]]; then
-        echo "${arg%%=*}=$value: a relative path, which the processes read (or write) under" \
-          "the repository root ($root); it names nothing there, nor where the launcher was" \
-          "started ($PWD)" >&2
-      fi
+  for ((i = 0; i < ${#args[@]}; i++)); do
+    if [[ "${args[i]}" == -*=* ]]; then
+      caller_flag_path "$root" "${args[i]%%=*}" "${args[i]#*=}" "="
+      FLAG_ARGS+=("${args[i]%%=*}=$FLAG_VALUE")
+    elif [[ "${args[i]}" =~ ^--?[A-Za-z] && $((i + 1)) -lt ${#args[@]} &&
+            "${args[i + 1]}" != -* ]]; then
+      caller_flag_path "$root" "${args[i]}" "${args[i + 1]}" " "
+      FLAG_ARGS+=("${args[i]}" "$FLAG_VALUE")
+      i=$((i + 1))
+    else
+      FLAG_ARGS+=("${args[i]}")
     fi
-    FLAG_ARGS+=("$arg")
   done
+}
+
+# caller_flag_path ROOT FLAG VALUE SEP: sets FLAG_VALUE to VALUE as caller_flag_paths passes it
+# (SEP: how the caller joined FLAG and VALUE, '=' or ' ', as the messages say it).
+caller_flag_path() {
+  local root=$1 flag=$2 value=$3 sep=$4
+  FLAG_VALUE=$value
+  if [[ -z "$value" || "$value" == /* || "$value" == *://* || -e "$root/$value" ]]; then
+    return
+  fi
+  if [[ -e "$value" && "$value" == *[/.]* ]]; then
+    FLAG_VALUE=$(abspath "$value")
+    echo "$flag$sep$value: not under the repository root ($root), where the processes read a" \
+      "relative path; read where the launcher was started: $FLAG_VALUE" >&2
+  elif [[ -e "$value" ]]; then
+    echo "$flag$sep$value: passed as given (a name, or a path the processes read under the" \
+      "repository root, $root); for the one where the launcher was started, give ./$value" >&2
+  elif [[ "$value" == */* ]]; then
+    echo "$flag$sep$value: a relative path, which the processes read (or write) under the" \
+      "repository root ($root); it names nothing there, nor where the launcher was started" \
+      "($PWD)" >&2
+  fi
 }

@@ -12,14 +12,13 @@
 # (default: python3 on PATH, else python), e.g. PYTHON=.venv/bin/python. XLA_FLAGS: the
 # caller's, with D devices. The processes run from the repository root: WORKDIR, CONFIG's file
 # and PYTHON are made absolute first; a relative path inside an extra flag
-# (--config.data.prompts_file=p.jsonl) is read from the repository root, unless it names
-# nothing there and something where the launcher was started: then it is made absolute (said
-# on stderr; a bare word, no slash or dot, is passed as given: --config.reward.kind=model). One
-# that names nothing in either place is said too (the binary's "No such file" names the relative
-# path alone). Logs:
-# WORKDIR.proc<i>.log (appended, a header line per start); process 0's is shown here as it is
-# written (FOLLOW=0: not; needs GNU tail), and the end of each failed process's log as soon as
-# it has ended.
+# (--config.data.prompts_file=p.jsonl, or the value as the next argument) is read from the
+# repository root, unless it names nothing there and something where the launcher was started:
+# then it is made absolute (said on stderr; a bare word, no slash or dot, is passed as given:
+# --config.reward.kind=model). One that names nothing in either place is said too (the binary's
+# "No such file" names the relative path alone). Logs: WORKDIR.proc<i>.log (appended, a header
+# line per start); process 0's is shown here as it is written (FOLLOW=0: not; needs GNU tail),
+# and the end of each failed process's log as soon as it has ended.
 set -euo pipefail
 N=${1:?number of processes}; D=${2:?devices per process}; WORKDIR=${3:?workdir}; shift 3
 if ! [[ "$N" =~ ^[1-9][0-9]*$ && "$D" =~ ^[1-9][0-9]*$ ]]; then

@@ -12,10 +12,11 @@
 # hangs alive keeps the others waiting: add --config.guard.iteration_timeout_s=SECONDS (a few
 # times the slowest iteration) and every worker exits 69 with its stacks instead.
 # It runs from the repository root: the workdir and the config file are made absolute first; a
-# relative path inside an extra flag (--config.plan.file=ps/plan.json) is read from the
-# repository root, unless it names nothing there and something where the script was started:
-# then it is made absolute (said on stderr; a bare word, no slash or dot, is passed as given:
-# --config.reward.kind=model). One that names nothing in either place is said too.
+# relative path inside an extra flag (--config.plan.file=ps/plan.json, or the value as the next
+# argument) is read from the repository root, unless it names nothing there and something where
+# the script was started: then it is made absolute (said on stderr; a bare word, no slash or
+# dot, is passed as given: --config.reward.kind=model). One that names nothing in either place
+# is said too.
 # BINARY picks experiments/BINARY.py: train_ppo (default; fused with
 # --config.fusion.inter_stage=True) or bench_generation (config: configs/bench_generation.py).
 set -euo pipefail

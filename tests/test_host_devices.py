@@ -260,6 +260,42 @@ def test_the_launchers_read_a_flags_relative_path_where_started_if_only_there(tm
   assert "schedule_file" not in out.stderr and "data.task" not in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("script", ["local_multiprocess.sh", "tpu_pod.sh"])
+def test_the_launchers_read_a_space_separated_flags_path_as_the_equals_form(tmp_path, script):
+  """absl reads --config.plan.file ps/plan.json (the value as the next argument) as it reads
+  --config.plan.file=ps/plan.json, but the launchers rewrote the '=' form alone: the space
+  form's relative path was passed as given, read from the repository root, and every process
+  stopped on "No such file" naming ps/plan.json alone. Both forms are rewritten and said alike;
+  a flag without a value (a boolean) before another flag is left alone."""
+  fake = _stand_in(tmp_path / "python", f'echo "ARGS=$*" >> {tmp_path}/calls')
+  (tmp_path / "ps").mkdir()
+  (tmp_path / "ps" / "plan.json").write_text("{}")
+  (tmp_path / "p.jsonl").write_text("")
+  (tmp_path / "model").mkdir()
+  flags = ["--config.plan.file", "ps/plan.json", "--config.fusion.inter_stage",
+           "--config.data.val_file", "p.jsonl", "--config.reward.kind", "model",
+           "-config.init.tokenizer", "nothere/tok.json", "--config.num_iterations", "2"]
+  first = ["1", "1"] if script == "local_multiprocess.sh" else ["configs/ppo_tiny.py"]
+  out = subprocess.run(["bash", os.path.join(REPO, "launch", script), *first, "wd", *flags],
+                       cwd=tmp_path, env=dict(os.environ, PYTHON=str(fake), FOLLOW="0"),
+                       capture_output=True, text=True, timeout=60)
+  assert out.returncode == 0, out.stderr
+  log = (tmp_path / "calls").read_text()
+  assert (f"--config.plan.file {tmp_path}/ps/plan.json --config.fusion.inter_stage "
+          f"--config.data.val_file {tmp_path}/p.jsonl --config.reward.kind model "
+          "-config.init.tokenizer nothere/tok.json --config.num_iterations 2") in log, log
+  assert (f"--config.plan.file ps/plan.json: not under the repository root ({REPO}), where "
+          "the processes read a relative path; read where the launcher was started: "
+          f"{tmp_path}/ps/plan.json") in out.stderr, out.stderr
+  assert ("--config.reward.kind model: passed as given (a name, or a path the processes read "
+          f"under the repository root, {REPO}); for the one where the launcher was started, "
+          "give ./model") in out.stderr, out.stderr
+  assert (f"-config.init.tokenizer nothere/tok.json: a relative path, which the processes "
+          f"read (or write) under the repository root ({REPO}); it names nothing there, nor "
+          f"where the launcher was started ({tmp_path})") in out.stderr, out.stderr
+  assert "inter_stage" not in out.stderr and "num_iterations" not in out.stderr, out.stderr
+
+
 def test_the_launcher_exits_with_a_failure_rather_than_a_clean_stop(tmp_path):
   """Process statuses (0 saved-and-stopped 75, 1 failed with 3): the launcher exits 3, not 75
   (a caller would requeue a failed run as resumable) and not the last process's status; a
