@@ -134,6 +134,7 @@ from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.perf import accounting, hlo_flops, scale_check
 from rlhfuse_jax.pipeline import stages
+from rlhfuse_jax.policy import async_copies
 from rlhfuse_jax.rl import optim
 from rlhfuse_jax.sim import hardware as hw_lib
 from rlhfuse_jax.sim import shapes as sim_shapes
@@ -321,7 +322,7 @@ class PlanConfig:
     """Whether the trainer keeps a copy of the actor on the training devices for each next
     batch's generation (asynchronous PPO, staleness > 0, without a generation group:
     trainer/loop.PPOTrainer._snapshot; with a group the copy is the group's actor)."""
-    return self.staleness > 0 and not self.generation_devices
+    return async_copies.keeps_actor_copy(self.staleness, self.generation_devices)
 
   @property
   def prompt_len(self) -> int:

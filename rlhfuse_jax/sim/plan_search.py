@@ -81,6 +81,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from rlhfuse_jax.policy import async_copies
 from rlhfuse_jax.sim import generation_sim as gen_lib
 from rlhfuse_jax.sim import training_sim as train_lib
 from rlhfuse_jax.sim.cost_model import (GIB, LOGITS_COPIES_SCORING, CostModel, crossing_share,
@@ -730,10 +731,13 @@ def keeps_actor_copy(wl, plan: dict) -> bool:
   on all the devices (async_search's colocated option), or a plan without an "async" entry
   searched for a run that generates asynchronously on its training devices
   (Workload.actor_copy); not an asynchronous split's (the generation group's actor is the
-  copy there)."""
+  copy there): the trainer's rule (policy/async_copies.keeps_actor_copy) of the plan's split,
+  which the trainer runs with no generation group where it is colocated."""
   split = plan.get("async")
   if split:
-    return bool(split.get("colocated", True))
+    return async_copies.keeps_actor_copy(
+        split.get("staleness", 1),
+        0 if split.get("colocated", True) else split["generation_devices"])
   return bool(wl.actor_copy)
 
 

@@ -23,6 +23,7 @@ from rlhfuse_jax.generation import fused as fused_lib
 from rlhfuse_jax.generation import sampling
 from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.parallel.mesh import MeshConfig
+from rlhfuse_jax.policy import async_copies
 from rlhfuse_jax.rl import advantages as adv_lib
 from rlhfuse_jax.rl import kl as kl_lib
 from rlhfuse_jax.rl import losses as losses_lib
@@ -617,7 +618,7 @@ class AsyncPPOConfig:
     """Whether the training devices keep a copy of the actor for each next batch's generation
     (PPOTrainer._snapshot), beside the update and through that generation: staleness > 0
     without a generation group (with one, the copy is the group's actor)."""
-    return self.staleness > 0 and not self.generation_devices
+    return async_copies.keeps_actor_copy(self.staleness, self.generation_devices)
 
 
 # checkpoint.export_hf: off, the source checkpoint's family, or one of hf_loader.FAMILIES
