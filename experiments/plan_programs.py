@@ -1067,7 +1067,7 @@ def group_instance_critic_bytes(cfg: PlanConfig, copy: float) -> float:
   `copy` counts them, an upper bound by a few kB. Until 2026-12-07 counted as 0 everywhere."""
   if not (cfg.generation_devices and cfg.group_critic and cfg.generation == "instances"):
     return 0.0
-  return copy if cfg.gen_model_shards > 1 or cfg.inference_pp > 1 else 0.0
+  return 0.0 if async_copies.shares_group_buffers(cfg.gen_model_shards, cfg.inference_pp) else copy
 
 
 def actor_logp_analytic(cfg: PlanConfig, rows: int, shards: int,
@@ -1321,7 +1321,8 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
                      cfg.generation,
                      critic_copy_bytes=group_instance_critic_bytes(cfg, copy) if group else copy,
                      pipelined=cfg.pp > 1, actor_copy_bytes=actor_copy_bytes(cfg, mesh),
-                     group_actor_bytes=group_actor_bytes(cfg))
+                     group_actor_bytes=group_actor_bytes(cfg),
+                     group_actor_shared=async_copies.shares_group_buffers(cfg.gen_model_shards))
   models = {"actor": cfg.actor, "critic": cfg.critic}
   full = {"actor": cfg.actor_layers, "critic": cfg.critic_layers}
   if cfg.reward is not None:
@@ -1408,7 +1409,8 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
                        generation_group: bool = False, group_critic_bytes: float = 0.0,
                        reference: bool = True, generation: str = "instances",
                        critic_copy_bytes: float = 0.0, pipelined: bool = False,
-                       actor_copy_bytes: float = 0.0, group_actor_bytes: float = 0.0) -> None:
+                       actor_copy_bytes: float = 0.0, group_actor_bytes: float = 0.0,
+                       group_actor_shared: bool = False) -> None:
   """What stays on a program's devices beside it, and whether the program fits with that.
 
   The training state: the trainer keeps the actor's and critic's (stage shards of parameters
@@ -1435,7 +1437,9 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
     the group's instances it is beside their programs too, decode's, prefill's and a
     migration's included (their argument is the instance's own copy over its gen_tp devices;
     until 2026-12-07 that copy was counted as the group's actor, gen_tp times less than the
-    trainer holds);
+    trainer holds), but where the instance's copy is the group's own buffers
+    (`group_actor_shared`: gen_tp 1, async_copies.shares_group_buffers), its argument: counted
+    once (until 2026-12-07 twice, a safe over-count);
   - instances on the training devices (`generation`="instances"): the frozen models wait in
     host memory and an instance freed for inference loads all its scoring models at once
     (generation/fused.InferenceQueue._load): the reference, the critic's copy
@@ -1492,7 +1496,8 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
   copy = 0.0 if generation_group else actor_copy_bytes
   if generation_group:
     kept = {"actor": group_actor_bytes or actor, "critic": group_critic_bytes, **frozen}
-    if generation == "instances" and group_actor_bytes:  # beside the instance's own copy
+    if generation == "instances" and group_actor_bytes and not group_actor_shared:
+      # beside the instance's own copy (at gen_tp 1 it is the group's: decode's argument)
       own["decode"] = own["prefill"] = own["migrate"] = "instance"
   elif serial:
     kept = frozen

@@ -1074,6 +1074,48 @@ def test_an_async_generation_groups_actor_is_counted_whole_as_the_trainer_holds_
   assert ps.group_actor_bytes(wl, opt, {}) == 0  # (no group: none)
 
 
+def test_a_generation_groups_instance_of_tp1_holds_the_groups_actor_counted_once(tmp_path):
+  """At generation_tp=1 each instance of an asynchronous generation group is placed from the
+  group's whole actor onto one of its devices, and jax hands it the group's own buffers (all of
+  them, measured here): plan_check counted the actor twice beside decode, as decode's argument
+  and as the group's copy beside it (a safe over-count). Decode now has the reference beside
+  it, not the actor again; at gen_tp 2 the instance's copy is new buffers, beside the group's."""
+  from rlhfuse_jax.policy import async_copies
+  from rlhfuse_jax.trainer.config import TrainConfig
+  from rlhfuse_jax.trainer.loop import PPOTrainer
+  run = _async_run(**{"async_ppo.generation_devices": 4, "plan.generation": "instances",
+                      "plan.generation_tp": 1})
+  c = plan_config.get_config("tiny")
+  plan_config.apply_run(c, run)
+  cfg = plan_programs.PlanConfig.from_config_dict(c)
+  assert (cfg.gen_model_shards, cfg.group_critic) == (1, False)
+  counted = plan_programs.group_actor_bytes(cfg)
+  trainer = PPOTrainer(TrainConfig.from_config_dict(run), str(tmp_path))
+  snapshot = trainer._snapshot()("actor")
+  group = {(s.device, s.data.unsafe_buffer_pointer()) for x in jax.tree.leaves(snapshot)
+           for s in x.addressable_shards}
+  held = shared = 0
+  for x in jax.tree.leaves(dict(trainer.rollout.generator.place_actor(snapshot))):
+    for s in x.addressable_shards:
+      held += s.data.nbytes
+      shared += s.data.nbytes if (s.device, s.data.unsafe_buffer_pointer()) in group else 0
+  assert held == shared == 4 * counted > 0, (held, shared, counted)
+  for shards, beside in ((1, counted), (2, counted + counted / 2)):
+    programs = {"train_step": {"argument_bytes": 100, "optimizer_state_bytes": 40,
+                               "peak_bytes": 150, "fits": True},
+                "decode": {"peak_bytes": 50, "fits": True,
+                           "analytic": {"params_bytes": counted / shards}},
+                "inference": {"peak_bytes": 40, "fits": True,
+                              "analytic": {"params_bytes": counted / shards}}}
+    plan_programs.beside_train_state(
+        programs, 10 ** 9, False, True, 0.0, reference=True, generation="instances",
+        group_actor_bytes=counted,
+        group_actor_shared=async_copies.shares_group_buffers(shards))
+    # (the reference, the actor's size, over gen_tp; at gen_tp 2 the group's actor too)
+    assert programs["decode"]["resident_model_bytes"] == beside, shards
+    assert programs["inference"]["resident_model_bytes"] == counted, shards
+
+
 def test_a_generation_groups_pipeline_keeps_the_reference_on_its_inference_mesh(tmp_path):
   """async_ppo.generation_devices=4 with plan.generation='pipeline' (generation_pp=2) and
   plan.inference_tp=2: the trainer's PlannedStage places the reference on a data=2 x tensor=2

@@ -1527,6 +1527,40 @@ def test_an_async_generation_group_is_charged_the_whole_actor_the_trainer_keeps_
   assert ps.GROUP_ACTOR not in ps.plan_memory(COST, wl, it.SimOptions(), old)[0]["parts"]
 
 
+def test_an_instance_of_tp1_on_a_generation_group_counts_the_whole_actor_once():
+  """An instance of tp 1 placed from an asynchronous generation group's whole actor holds the
+  group's own buffers (tests/test_plan_check.py measures it from the trainer's arrays): its
+  generation row counted the actor twice, as the instance's weights and as the group's whole
+  actor (a safe over-count, 60.6 GiB too much for 33B). Once now: the row is the whole actor,
+  the KV cache and the transient; at tp 2, and on a pipeline, the layout's own copy is new
+  buffers beside the group's, and without a group the weights are the instance's."""
+  a = get_shape("llama-33b")
+  wl = it.Workload(actor=a, critic=a.as_critic(), num_devices=64, global_batch=128,
+                   minibatch=64)
+  opt = it.SimOptions(trainer_runnable=True)
+
+  def plan(tp, mode="instances", split=True):
+    return {"generation": {"mode": mode, "tp": tp, "pp": 1, "groups": 1, "slots": 16},
+            "inference": {"tp": tp, "pp": 1},
+            "training": {"placement": "colocated", "devices": 32, "tp": 4, "actor_pp": 2,
+                         "critic_pp": 2, "micro_batch": 1, "actor_microbatches": 16,
+                         "critic_microbatches": 16},
+            **({"async": {"generation_devices": 32, "training_devices": 32, "staleness": 1,
+                          "colocated": False}} if split else {})}
+  gen = ps.plan_memory(COST, wl, opt, plan(1))[0]
+  transient = "prefill activations or a migration's rows"
+  assert set(gen["parts"]) == {ps.GROUP_ACTOR, "KV cache", transient}, gen["parts"]
+  assert gen["parts"][ps.GROUP_ACTOR] == a.weight_bytes()
+  assert gen["total"] == pytest.approx(a.weight_bytes() + gen["parts"]["KV cache"] +
+                                       gen["parts"][transient])
+  two = ps.plan_memory(COST, wl, opt, plan(2))[0]["parts"]
+  assert (two["weights"], two[ps.GROUP_ACTOR]) == (a.weight_bytes() / 2, a.weight_bytes())
+  pipe = ps.plan_memory(COST, wl, opt, plan(1, "pipeline"))[0]["parts"]
+  assert (pipe["weights"], pipe[ps.GROUP_ACTOR]) == (a.weight_bytes(), a.weight_bytes())
+  alone = ps.plan_memory(COST, wl, opt, plan(1, split=False))[0]["parts"]
+  assert alone["weights"] == a.weight_bytes() and ps.GROUP_ACTOR not in alone
+
+
 def test_an_asynchronous_run_on_the_training_devices_writes_the_split_that_beats_it():
   """plan.json's choice (plan_json_choice): for a run with async_ppo.staleness > 0 and no
   generation group (Workload.actor_copy) a plan without an "async" split runs asynchronously,

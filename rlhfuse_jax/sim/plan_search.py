@@ -889,8 +889,14 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
     kept_state.update(beside)
   group = group_actor_bytes(wl, opt, plan)
   group_part = {GROUP_ACTOR: group} if group else {}
+  # An instance of tp 1 holds the group's own buffers of the actor (async_copies.
+  # shares_group_buffers): its weights are the whole actor, counted once. Until 2026-12-07
+  # counted twice there (a safe over-count).
+  shared = (group and gen["mode"] == "instances" and
+            async_copies.shares_group_buffers(gen["tp"]))
+  weights = {} if shared else {"weights": a.weight_bytes() / copy}
   rows = [{"stage": "generation", "layout": GenerationPlan(**gen).describe(),
-           "parts": {"weights": a.weight_bytes() / copy, "KV cache": per * slot_kv,
+           "parts": {**weights, "KV cache": per * slot_kv,
                      **transient, **kept_parts, **kept_state, **group_part}},
           {"stage": "inference", "layout": InferencePlan(**inf).describe(),
            "parts": {**inference_memory(cost, wl, opt, plan), **kept_state, **group_part}}
