@@ -1076,3 +1076,38 @@ def test_a_reward_model_under_openrlhf_s_own_value_head_prefix_is_accepted(tmp_p
   with open(os.path.join(rm, "config.json"), "w") as f:
     json.dump(hf, f)
   assert build.reward_model_config(cfg).head == "scalar"
+
+
+def test_a_format_term_beside_a_reward_model_is_said(tok, tmp_path, caplog):
+  """configs/ppo_hf.py with reward.kind='model' (docs/own_model.md's table) kept the preset's
+  reward.format='gsm8k_format': 0.1 x its 0-or-1 score was added to every reward model score
+  without a word (only the unused reward.function was warned of)."""
+  import logging
+  from rlhfuse_jax.parallel import mesh as mesh_lib
+  from rlhfuse_jax.trainer.validate import validate
+  import safetensors.numpy
+  rm = _openrlhf_rm(tmp_path, "plain")
+  weights = safetensors.numpy.load_file(os.path.join(rm, "model.safetensors"))
+  weights["value_head.weight"] = weights["model.embed_tokens.weight"][7:8].copy()
+  safetensors.numpy.save_file(weights, os.path.join(rm, "model.safetensors"))
+  model = {"reward.kind": "model", "reward.model_checkpoint": rm}
+  fmt = {"reward.format": "gsm8k_format", "reward.format_weight": 0.1}
+  said = "reward: the reward model's score + 0.1 x 'gsm8k_format' (config.reward.format;"
+  for overrides, logged in ((fmt, True), ({}, False)):
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+      _model_rewards(tiny_config(**model, **overrides), tok)
+    assert (said in caplog.text) == logged, caplog.text
+  # The warning of the verifier left beside the model names the format term it still adds.
+  for overrides, note in ((fmt, True), ({}, False)):
+    cfg = tiny_config(**model, **overrides, **{"reward.function": "gsm8k"})
+    _, tokenizer = build.build_task_and_tokenizer(cfg)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      validate(build.resolve_config(cfg, tokenizer), mesh_lib.make_mesh(
+          mesh_lib.MeshConfig(data=8)))
+    assert ("config.reward.function='gsm8k' not used: reward.kind='model': the reward model "
+            "scores every sample" in caplog.text), caplog.text
+    assert ("; reward.format='gsm8k_format' still adds 0.1 x its score to the model's "
+            "(--config.reward.format='' for the model's score alone)" in caplog.text) == note, (
+                caplog.text)

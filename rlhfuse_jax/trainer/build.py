@@ -956,6 +956,10 @@ def build_rewards(cfg: TrainConfig, task, tokenizer: Tokenizer, models: Models,
   if r.kind == "model":
     norm = reward_normalization(cfg)
     log_reward_normalization(cfg, norm)
+    if r.format:  # a preset's format term kept beside a reward model went unnoticed
+      logging.info("reward: the reward model's score + %g x %r (config.reward.format; "
+                   "--config.reward.format='' for the model's score alone)",
+                   r.format_weight, r.format)
     return scoring.Rewards(model_cfg=models.reward_cfg, model_params=models.reward_params,
                            scorer=scoring.Scorer(mesh), extra=extra, stats=stats,
                            model_norm=norm)

@@ -68,6 +68,16 @@ def _reward_unused(cfg: TrainConfig) -> list[str]:
   return set_fields(cfg, "reward", ["function"])
 
 
+def _format_beside_model(cfg: TrainConfig) -> str:
+  """The note for a verifier left beside a reward model: the format term the same preset set
+  still adds to the model's score (configs/ppo_hf.py's gsm8k_format, 0.1 x 0-or-1, went
+  unnoticed beside a reward model's score)."""
+  if not cfg.reward.format:
+    return ""
+  return (f"; reward.format={cfg.reward.format!r} still adds {cfg.reward.format_weight:g} x "
+          "its score to the model's (--config.reward.format='' for the model's score alone)")
+
+
 def _task_prompt_fields(cfg: TrainConfig) -> list[str]:
   """The data fields that shape the task's generated prompts (their count and target lengths)
   that this config sets away from their defaults beside data.prompts_file, which replaces those
@@ -316,7 +326,8 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
                 "puts no KL to the reference in the reward or the loss")
   _async_unused(cfg)
   _uneven_tensor_split(cfg, mesh)
-  warn_unused(_reward_unused(cfg), "reward.kind='model': the reward model scores every sample")
+  warn_unused(_reward_unused(cfg), "reward.kind='model': the reward model scores every sample"
+              + _format_beside_model(cfg))
   # A reward model's path without reward.kind='model', a weight without a format: ignored
   # without a word, as the fusion fields below were.
   if cfg.reward.kind != "model":
