@@ -206,6 +206,22 @@ def test_missing_and_malformed_files_name_the_path(tmp_path):
                      r".*the tokenizer is the tokenizer\.json beside it"):
     HFTokenizer.from_file(str(config))
 
+  # A SentencePiece tokenizer.model (a Llama 2 download without tokenizer.json) named, or
+  # beside the missing tokenizer.json: said what it is and how to write the file the run reads,
+  # not "stream did not contain valid UTF-8" alone.
+  sp_dir = tmp_path / "llama2"
+  sp_dir.mkdir()
+  (sp_dir / "tokenizer.model").write_bytes(b"\n\x0e\n\x05<unk>\x15\x00\x00\x00\x00\xff\xfe")
+  convert = (r"the run reads the `tokenizers` library's tokenizer\.json, which transformers "
+             r"writes from it: AutoTokenizer\.from_pretrained\(DIR\)\.save_pretrained\(DIR\)")
+  with pytest.raises(ValueError, match=r"llama2/tokenizer\.model: not a valid tokenizer\.json "
+                     r"\(.*\); .*tokenizer\.model looks like a SentencePiece model: " + convert):
+    HFTokenizer.from_file(str(sp_dir / "tokenizer.model"))
+  for named in (sp_dir, sp_dir / "tokenizer.json"):
+    with pytest.raises(FileNotFoundError, match=r"not found: .*llama2/tokenizer\.json; .*llama2/"
+                       r"tokenizer\.model is there: " + convert):
+      HFTokenizer.from_file(str(named))
+
   good_dir = tmp_path / "good"
   path = _train_bpe(str(good_dir))
   (good_dir / "tokenizer_config.json").write_text("{not json")

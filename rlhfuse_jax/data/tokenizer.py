@@ -76,6 +76,12 @@ class Tokenizer(abc.ABC):
     return frozenset()
 
 
+SENTENCEPIECE_FILE = "tokenizer.model"  # SentencePiece's: Llama 1/2, Mistral's first releases
+_SENTENCEPIECE_HINT = ("the run reads the `tokenizers` library's tokenizer.json, which "
+                       "transformers writes from it: AutoTokenizer.from_pretrained(DIR)"
+                       ".save_pretrained(DIR)")
+
+
 def tokenizer_file(path: str) -> str:
   """The tokenizer.json that config.init.tokenizer's `path` names: the file, or the one in the
   model directory it names."""
@@ -191,7 +197,9 @@ class HFTokenizer(Tokenizer):
     """
     path = tokenizer_file(path)
     if not os.path.isfile(path):
-      raise FileNotFoundError(f"tokenizer file not found: {path}")
+      sp = os.path.join(os.path.dirname(path), SENTENCEPIECE_FILE)
+      raise FileNotFoundError(f"tokenizer file not found: {path}" + (
+          f"; {sp} is there: {_SENTENCEPIECE_HINT}" if os.path.isfile(sp) else ""))
     if os.path.basename(path) == "tokenizer_config.json":  # a model directory's other file
       raise ValueError(f"{path} is a tokenizer_config.json (special tokens, chat template); the "
                        "tokenizer is the tokenizer.json beside it: name that file or the model's "
@@ -199,8 +207,12 @@ class HFTokenizer(Tokenizer):
     try:
       tok = tokenizers.Tokenizer.from_file(path)
     except Exception as e:  # malformed JSON or an unknown model type
+      # A Llama 1/2 or original Mistral download's tokenizer.model (protobuf, not JSON) read as
+      # "stream did not contain valid UTF-8" alone.
+      hint = (f"; {os.path.basename(path)} looks like a SentencePiece model: "
+              f"{_SENTENCEPIECE_HINT}" if path.endswith(".model") else "")
       raise ValueError(f"{path}: not a valid tokenizer.json ({e}); expected the `tokenizers` "
-                       "library's file, as a HF model directory has it") from e
+                       f"library's file, as a HF model directory has it{hint}") from e
 
     config_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
     config = _read_tokenizer_config(config_path)
