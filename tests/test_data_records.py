@@ -132,6 +132,10 @@ def test_lookup_prefers_a_literal_dotted_key():
     ({"prompt": " \n\t"}, r"field 'prompt' is blank \(' \\n\\t'\); expected a prompt"),
     ({"prompt": []}, "field 'prompt' is an empty list"),
     ({"prompt": 3}, "field 'prompt' must be a string or a list of messages, got int"),
+    # A nested prompt: the dotted key that reads it is named.
+    ({"prompt": {"text": "x", "id": 3}}, r"field 'prompt' must be a string or a list of "
+     r"messages, got dict with fields \['id', 'text'\]; a dotted config\.data\.prompt_key reads "
+     r"a nested field: 'prompt\.text'$"),
     ({"prompt": ["hi"]}, "field 'prompt' message 0 is a str; expected an object"),
     ({"prompt": [{"role": "user", "content": "a"}, {"role": "user"}]},
      "field 'prompt' message 1 needs a string 'content', got NoneType"),

@@ -167,8 +167,14 @@ def check_prompt(prompt: Any, where_: str, key: str) -> Any:
       raise ValueError(f"{where_}: field '{key}' has no message with content (every 'content' "
                        "is blank); expected a prompt")
     return [dict(m) for m in prompt]
+  nested = ""
+  if isinstance(prompt, Mapping):  # ({"prompt": {"text": ...}}: the dotted key was not said)
+    inner = [f"'{key}.{k}'" for k, v in prompt.items() if isinstance(v, (str, list, tuple))]
+    nested = (f" with fields {sorted(map(str, prompt))[:8]}"
+              + (f"; a dotted config.data.prompt_key reads a nested field: {', '.join(inner[:4])}"
+                 if inner else ""))
   raise ValueError(f"{where_}: field '{key}' must be a string or a list of messages, got "
-                   f"{type(prompt).__name__}")
+                   f"{type(prompt).__name__}{nested}")
 
 
 def _is_nan(x: Any) -> bool:
