@@ -243,8 +243,24 @@ def test_missing_and_malformed_files_name_the_path(tmp_path):
 
 
 def test_missing_eos_is_a_clear_error(tmp_path):
+  """The error said "pass eos_token=", an argument train_ppo's user cannot give, and, for a
+  tokenizer_config.json whose eos_token is null, "none of [...] in the vocabulary" of one that
+  holds <|im_end|>: it names the file's entry to set."""
   path = _train_bpe(str(tmp_path), specials=("<unk>",))
-  with pytest.raises(ValueError, match="cannot find an EOS token.*pass eos_token="):
+  fix = (r"; set eos_token in .*/tokenizer_config\.json to the token that ends a response "
+         r"\(HFTokenizer\.from_file's eos_token= in Python\)$")
+  with pytest.raises(ValueError, match=r"cannot find an EOS token \(no eos_token in "
+                     r"tokenizer_config\.json or special_tokens_map\.json and none of \['</s>'.*"
+                     r"in the vocabulary\)" + fix):
     HFTokenizer.from_file(path)
+  null = tmp_path / "null"
+  chatml = _train_bpe(str(null), specials=("<|im_end|>",))
+  _write_config(str(null), eos_token=None)
+  with pytest.raises(ValueError, match=r"cannot find an EOS token \(.*null/tokenizer_config\.json "
+                     r"sets eos_token to null\)" + fix):
+    HFTokenizer.from_file(chatml)
+  _write_config(str(null), eos_token="<|im_end|>")
+  assert HFTokenizer.from_file(chatml).eos_id == HFTokenizer.from_file(chatml).backend.token_to_id(
+      "<|im_end|>")
   tok = HFTokenizer.from_file(path, eos_token="<unk>")
   assert tok.eos_id == tok.backend.token_to_id("<unk>")

@@ -245,8 +245,17 @@ class HFTokenizer(Tokenizer):
 
     eos_id = resolve("eos", eos_token, _EOS_CANDIDATES)
     if eos_id is None:
-      raise ValueError(f"{path}: cannot find an EOS token (no eos_token in tokenizer_config.json "
-                       f"and none of {list(_EOS_CANDIDATES)} in the vocabulary); pass eos_token=")
+      # A null entry stops the search (as Qwen2's null bos_token): "none of ... in the
+      # vocabulary" was said of one that holds <|im_end|>. train_ppo takes no eos_token
+      # argument: the fix there is the file's entry.
+      if "eos_token" in named:
+        why = f"{named['eos_token'][1]} sets eos_token to null"
+      else:
+        why = (f"no eos_token in tokenizer_config.json or {SPECIAL_TOKENS_MAP} and none "
+               f"of {list(_EOS_CANDIDATES)} in the vocabulary")
+      raise ValueError(f"{path}: cannot find an EOS token ({why}); set eos_token in {config_path} "
+                       "to the token that ends a response (HFTokenizer.from_file's eos_token= "
+                       "in Python)")
     bos_id = resolve("bos", bos_token, _BOS_CANDIDATES)
     pad_id = resolve("pad", pad_token, _PAD_CANDIDATES)
     if add_bos is None and config is not None and config.get("add_bos_token") is not None:
