@@ -1170,7 +1170,12 @@ def test_a_val_file_with_other_keys_says_to_rename_them_not_to_change_the_key(ro
   task, _ = build.build_task_and_tokenizer(cfg)
   with pytest.raises(ValueError, match=rf"val\.jsonl:1: missing {missing} field .*read with the "
                      r"keys of config\.data\.prompts_file \(config\.data\.prompt_key='prompt', "
-                     r"config\.data\.answer_key='gt'\): give its rows the same field names") as e:
+                     r"config\.data\.answer_key='gt'\): give its rows the same field names, "
+                     # A preset's held-out file kept beside the user's prompts (configs/ppo_hf.py
+                     # with only data.prompts_file replaced) is not to be renamed: replace it.
+                     r"or, if it is not your held-out file \(a preset's own, such as "
+                     r"configs/ppo_hf\.py's, is read unless replaced\), point "
+                     r"config\.data\.val_file at yours \(\'\' for none\)$") as e:
     build.load_prompt_records(cfg, task)
   assert "set config.data" not in str(e.value)
 

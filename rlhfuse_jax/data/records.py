@@ -227,7 +227,10 @@ def load_records(path: str, prompt_key: str = PROMPT_KEY, answer_key: str = ANSW
   if keys_of:
     fix_prompt = fix_answer = (
         f"this file is read with the keys of {keys_of} (config.data.prompt_key={prompt_key!r}, "
-        f"config.data.answer_key={answer_key!r}): give its rows the same field names")
+        f"config.data.answer_key={answer_key!r}): give its rows the same field names, or, if "
+        # (a preset's held-out file kept beside the user's prompts was said to need renaming)
+        "it is not your held-out file (a preset's own, such as configs/ppo_hf.py's, is read "
+        "unless replaced), point config.data.val_file at yours ('' for none)")
   else:
     fix_prompt = "set config.data.prompt_key to the field that holds the prompt"
     fix_answer = "set config.data.answer_key to the field that holds the ground truth"
