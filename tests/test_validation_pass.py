@@ -112,3 +112,23 @@ def test_a_fused_validation_pass_still_scores_with_the_reward_model(tmp_path, mo
   assert set(calls) == {"reference", "reward"}
   metrics = lambda m: {k: v for k, v in m.items() if k != "timing_s/validation"}  # noqa: E731
   assert metrics(val) == metrics(full)
+
+
+def test_the_set_up_log_names_the_held_out_file(tmp_path, caplog):
+  """configs/ppo_hf.py with only data.prompts_file replaced validated on the preset's own
+  held-out file (the same keys as the user's GSM8K-format rows) without a word: the set-up line
+  counted the held-out prompts but named no file."""
+  import json
+  import logging
+  train, val = tmp_path / "train.jsonl", tmp_path / "held_out.jsonl"
+  rows = [{"prompt": f"#{n} =", "target": " ".join(f"#{k}" for k in range(n, 0, -1))}
+          for n in (1, 2, 3, 4, 5, 6, 7, 8) * 2]
+  train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  val.write_text(json.dumps(rows[2]) + "\n")
+  cfg = tiny_config(**{"num_iterations": 1, "eval_every": 1, "checkpoint.every": 100,
+                       "data.prompts_file": str(train), "data.val_file": str(val)})
+  with caplog.at_level(logging.INFO):
+    PPOTrainer(cfg, str(tmp_path / "run"), mesh=mesh_lib.make_mesh(
+        mesh_lib.MeshConfig(data=4), jax.devices()[:4]))
+  assert (f"setup: 16 training prompts (1 held-out ones from {val} validated every 1 "
+          "iterations), 16 per iteration" in caplog.text), caplog.text
