@@ -379,6 +379,36 @@ def test_no_actor_copy_outlives_generation(one_device, runs, monkeypatch):
   assert len(copies) == 4 * len(jax.tree.leaves(actor)) and alive == [0]
 
 
+def test_a_micro_batch_puts_its_tokens_and_lengths_once_for_all_models(one_device, runs,
+                                                                         monkeypatch):
+  """Streaming inference copies a micro-batch's tokens, prompt lengths and response lengths
+  onto its instance once each, shared by the reference, critic and reward models (each model
+  put its own copies: 7 per micro-batch, not 3), and scores exactly as before."""
+  gen, actor, params = one_device
+  (tokens, lens, budgets), _, _, late = runs
+  main, inside, puts, scores = threading.get_ident(), [], [], []
+  put, score = mesh_lib.put, fused.InferenceQueue._score
+
+  def counting_put(tree, shardings):
+    if inside and threading.get_ident() == main:  # (not the loader thread's weights)
+      puts.append(np.shape(tree))
+    return put(tree, shardings)
+
+  def counting_score(self, i, take):
+    inside.append(i)
+    try:
+      return score(self, i, take)
+    finally:
+      inside.pop()
+      scores.append(i)
+  monkeypatch.setattr(mesh_lib, "put", counting_put)
+  monkeypatch.setattr(fused.InferenceQueue, "_score", counting_score)
+  out = gen.run(actor, params, tokens, lens, KEY, budgets=budgets, fuse=True, rt=0.25)
+  assert_same_outputs(out, late)
+  mb = gen.config.micro_batch
+  assert scores and sorted(puts) == sorted([(mb,), (mb,), (mb, P + T)] * len(scores))
+
+
 def test_prompt_ids_outside_the_vocabulary_are_refused(one_device):
   gen, actor, params = one_device
   tokens, lens, budgets = batch(16, 0)

@@ -244,7 +244,7 @@ def test_a_unit_runs_at_most_its_stages_and_one_more_micro_batches():
       return self
 
   class Inst:
-    def score_stage(self, n, s, placed, x, seq, plens, rlens):
+    def score_stage(self, n, s, placed, x, seq, plens, rlens, inputs=None):
       return Out(f"{n}{s}")
 
   gen = types.SimpleNamespace(

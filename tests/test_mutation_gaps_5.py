@@ -407,7 +407,7 @@ def test_measured_costs_use_exactly_the_occupied_slots_and_per_device_bytes(monk
       live.append(int((st.budget > 0).sum()))
       return types.SimpleNamespace(num_generated=np.where(st.budget > 0, 2, 0)), np.zeros(1)
 
-    def score(self, name, params, seq, plens, rlens):
+    def score(self, name, params, seq, plens, rlens, inputs=None):
       return np.zeros(1)
 
   def model(n):

@@ -808,7 +808,8 @@ class InferenceQueue:
       return self._score_stages(i, seq, plens, rlens)
     inst = self.gen.instances[i]
     placed = self.loads[i].result()
-    outs = {n: inst.score(n, placed[n], seq, plens, rlens) for n in self.models}
+    inputs: dict = {}  # tokens and lengths on instance i, copied once for every model
+    outs = {n: inst.score(n, placed[n], seq, plens, rlens, inputs) for n in self.models}
     self.log.record(i, "inference", list(outs.values()))
     return outs
 
@@ -834,7 +835,9 @@ class InferenceQueue:
     for s, m in enumerate(self._unit(u)):  # (a unit lists its instances in stage order)
       inst, placed = self.gen.instances[m], self.loads[m].result()
       prev = list(x.values()) if s else None
-      x = {n: inst.score_stage(n, s, placed[n], x[n], seq, plens, rlens) for n in self.models}
+      inputs: dict = {}  # tokens and lengths on instance m, copied once for every model
+      x = {n: inst.score_stage(n, s, placed[n], x[n], seq, plens, rlens, inputs)
+           for n in self.models}
       self.log.record(m, "inference", list(x.values()), after=prev)
     return x
 

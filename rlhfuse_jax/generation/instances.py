@@ -489,27 +489,46 @@ class GenerationInstance:
     """Copies rows gathered on another instance onto this one (device to device)."""
     return jax.device_put(rows, self.state_sharding)
 
-  def score(self, name: str, params, tokens, prompt_lens, response_lens):
-    """One inference micro-batch: tokens [mb, P+T]; returns a device array (not waited on)."""
-    put = mesh_lib.put
-    args = (params, put(tokens, self.row2), put(prompt_lens, self.row1))
+  def score(self, name: str, params, tokens, prompt_lens, response_lens,
+            inputs: Optional[dict] = None):
+    """One inference micro-batch: tokens [mb, P+T]; returns a device array (not waited on).
+    `inputs`: a dict the models of one micro-batch on this instance share, so each input is
+    copied here once, by the first model that needs it (`_inputs`)."""
+    put = self._inputs(inputs)
+    args = (params, put("tokens", tokens, self.row2), put("prompt_lens", prompt_lens, self.row1))
     if name == "reward":
-      args = args + (put(response_lens, self.row1),)
+      args = args + (put("response_lens", response_lens, self.row1),)
     return self._exe[name](*args)
 
-  def score_stage(self, name: str, stage: int, params, x, tokens, prompt_lens, response_lens):
+  def score_stage(self, name: str, stage: int, params, x, tokens, prompt_lens, response_lens,
+                  inputs: Optional[dict] = None):
     """Stage `stage` of one inference micro-batch (inference_pp > 1): from the tokens
     [mb, P+T] (stage 0) or the previous stage's hidden states `x` (on another instance:
     copied here device to device), to hidden states, or at the last stage to the scores.
-    Returns a device array (not waited on)."""
-    put, exe = mesh_lib.put, self._exe[(name, stage)]
+    Returns a device array (not waited on). `inputs`: as in `score`."""
+    put, exe = self._inputs(inputs), self._exe[(name, stage)]
     if stage == 0:
-      return exe(params, put(tokens, self.row2))
+      return exe(params, put("tokens", tokens, self.row2))
     x = jax.device_put(x, self.row3)
     if stage < self.inference_pp - 1:
       return exe(params, x)
-    return exe(params, x, put(tokens, self.row2), put(prompt_lens, self.row1),
-               put(response_lens, self.row1))
+    return exe(params, x, put("tokens", tokens, self.row2),
+               put("prompt_lens", prompt_lens, self.row1),
+               put("response_lens", response_lens, self.row1))
+
+  @staticmethod
+  def _inputs(inputs: Optional[dict]):
+    """put(key, host array, sharding): the array on this instance, copied once per `inputs`
+    (every model of a micro-batch reads the same tokens and lengths: one copy each, not one
+    per model); without `inputs`, a copy each call."""
+    if inputs is None:
+      return lambda _, x, sharding: mesh_lib.put(x, sharding)
+
+    def put(key, x, sharding):
+      if key not in inputs:
+        inputs[key] = mesh_lib.put(x, sharding)
+      return inputs[key]
+    return put
 
 
 def _exe_name(name) -> str:

@@ -206,8 +206,11 @@ def _load_and_inference_s(gen, inst, frozen_params: dict, seq: np.ndarray,
   pp = gen.config.inference_pp
   if pp == 1 or not gen.models:
     load_s = median_s(place(None), repeats) if gen.models else 0.0
-    inf_s = median_s(lambda: [inst.score(n, placed[n], seq, plens, rlens) for n in placed],
-                     repeats)
+
+    def score_all():
+      inputs: dict = {}  # as fused.InferenceQueue._score: copied once for every model
+      return [inst.score(n, placed[n], seq, plens, rlens, inputs) for n in placed]
+    inf_s = median_s(score_all, repeats)
     return load_s, inf_s
   # Scoring on pipelines of pp instances: here every stage in turn on this one instance, one
   # stage's weights at a time (as each instance of a pipeline holds them), each stage fed
@@ -220,7 +223,8 @@ def _load_and_inference_s(gen, inst, frozen_params: dict, seq: np.ndarray,
     load_s += median_s(place(stage), repeats)
 
     def run(stage=stage, x=x):
-      out.update({n: inst.score_stage(n, stage, placed[n], x[n], seq, plens, rlens)
+      inputs: dict = {}  # as fused.InferenceQueue._score_stages: copied once for every model
+      out.update({n: inst.score_stage(n, stage, placed[n], x[n], seq, plens, rlens, inputs)
                   for n in placed})
       return out
     inf_s += median_s(run, repeats)
