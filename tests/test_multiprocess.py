@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import types
 
@@ -197,13 +198,28 @@ def _start_two(workdirs, per_process_args=((), ()), cwds=(REPO, REPO), outs=(Non
 def _two_processes(workdirs, per_process_args=((), ()), cwds=(REPO, REPO)):
   """train_ppo on 2 processes x 2 CPU devices (--distributed on 127.0.0.1), each started in its
   `cwds` entry: their outputs."""
-  procs = _start_two(workdirs, per_process_args, cwds)
-  try:
-    return [(p.communicate(timeout=300)[0], p.returncode) for p in procs]
+  return _runs_of_two((workdirs, per_process_args, cwds))[0]
+
+
+def _runs_of_two(*runs):
+  """_two_processes of each (workdirs, per_process_args, cwds) in `runs`, all started at once
+  (each its own coordinator): their outputs, run by run. Runs that stop at set-up spend much of
+  their time waiting (process 0 for the others' reports, RLHFUSE_PEER_GRACE_S): side by side,
+  those waits overlap."""
+  procs, files = [], [[tempfile.TemporaryFile("w+") for _ in range(2)] for _ in runs]
+  try:  # (into files, not pipes: no process waits on a full pipe while another one is read)
+    for run, outs in zip(runs, files):
+      procs.append(_start_two(*run, outs=outs))
+    codes = [[p.wait(timeout=300) for p in pair] for pair in procs]
+    for f in (f for outs in files for f in outs):
+      f.seek(0)
+    return [[(f.read(), code) for f, code in zip(outs, pair)] for outs, pair in zip(files, codes)]
   finally:
-    for p in procs:
+    for p in (p for pair in procs for p in pair):
       if p.poll() is None:
         p.kill()
+    for f in (f for outs in files for f in outs):
+      f.close()
 
 
 def test_processes_on_different_workdirs_or_runs_stop_at_once(tmp_path):
@@ -211,24 +227,25 @@ def test_processes_on_different_workdirs_or_runs_stop_at_once(tmp_path):
   path) stops every process at set-up: it trained, then hung for ever at the first checkpoint
   save. Processes that run different configs (here another seed) stop too: they trained side
   by side on different batches, each logging its own rewards."""
-  outs = _two_processes([str(tmp_path / "a"), str(tmp_path / "b")])
-  for i, (log, code) in enumerate(outs):
-    assert code == 1, log[-3000:]
-    assert (f"the processes disagree on the --workdir path (a checksum; this process's: "
-            f"{tmp_path / 'ab'[i]})") in log, log[-3000:]
-    assert "every process must be given the same workdir" in log, log[-3000:]
   # The same path naming another directory on each "host" (here: relative, from two
   # directories): the token process 0 wrote to the workdir's .lock is not seen by process 1.
   for d in ("host0", "host1"):
     (tmp_path / d).mkdir()
-  outs = _two_processes(["run", "run"], cwds=(tmp_path / "host0", tmp_path / "host1"))
-  for log, code in outs:
+  shared = str(tmp_path / "shared")
+  apart, relative, seeds = _runs_of_two(
+      ([str(tmp_path / "a"), str(tmp_path / "b")], ((), ()), (REPO, REPO)),
+      (["run", "run"], ((), ()), (tmp_path / "host0", tmp_path / "host1")),
+      ([shared, shared], (("--config.seed=0",), ("--config.seed=1",)), (REPO, REPO)))
+  for i, (log, code) in enumerate(apart):
+    assert code == 1, log[-3000:]
+    assert (f"the processes disagree on the --workdir path (a checksum; this process's: "
+            f"{tmp_path / 'ab'[i]})") in log, log[-3000:]
+    assert "every process must be given the same workdir" in log, log[-3000:]
+  for log, code in relative:
     assert code == 1, log[-3000:]
     assert "the processes disagree on the workdir run (the start token" in log, log[-3000:]
     assert "process 1: (-1,)" in log and "every host sees, at the same path" in log, log[-3000:]
-  shared = str(tmp_path / "shared")
-  outs = _two_processes([shared, shared], (("--config.seed=0",), ("--config.seed=1",)))
-  for i, (log, code) in enumerate(outs):
+  for i, (log, code) in enumerate(seeds):
     assert code == 1, log[-3000:]
     assert "the processes disagree on the run (a checksum of the config as given" in log, (
         log[-3000:])
