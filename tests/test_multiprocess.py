@@ -279,18 +279,25 @@ def test_fused_async_two_processes_match_one_process(tmp_path):
            "async_ppo.staleness": 1, "async_ppo.generation_devices": 4}
   wd = str(tmp_path / "mp")
   env = subprocess_env(PYTHON=sys.executable)
-  out = subprocess.run(["bash", "launch/local_multiprocess.sh", "2", "4", wd,
-                        "--config.num_iterations=3", *SMALL,
-                        *[f"--config.{k}={v}" for k, v in fused.items()]], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=600)
+  # The launched processes run while this process computes the one-process reference (they
+  # wait on each other's collectives much of the time: the two overlap).
+  with subprocess.Popen(["bash", "launch/local_multiprocess.sh", "2", "4", wd,
+                         "--config.num_iterations=3", *SMALL,
+                         *[f"--config.{k}={v}" for k, v in fused.items()]], cwd=REPO, env=env,
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as launcher:
+    try:
+      single = PPOTrainer(tiny_config(num_iterations=3, **fused), str(tmp_path / "sp"))
+      assert [d.id for d in single.gen_mesh.devices.flat] == [0, 1, 2, 3]
+      history = single.run()
+      code = launcher.wait(timeout=600)
+    finally:
+      if launcher.poll() is None:  # the reference failed: the launcher stops both processes
+        launcher.terminate()
+        launcher.wait(timeout=120)
   logs = "".join(open(f"{wd}.proc{i}.log").read()[-2000:] for i in range(2))
-  assert out.returncode == 0, logs
+  assert code == 0, logs
   with open(os.path.join(wd, "metrics.jsonl")) as f:
     multi = [json.loads(line) for line in f]
-
-  single = PPOTrainer(tiny_config(num_iterations=3, **fused), str(tmp_path / "sp"))
-  assert [d.id for d in single.gen_mesh.devices.flat] == [0, 1, 2, 3]
-  history = single.run()
   assert [r["step"] for r in multi] == [1, 2, 3]
   # Iteration 3's batch came from the policy after update 1: updated weights crossed over.
   assert [r["async/policy_version"] for r in multi] == [0, 0, 1]
