@@ -5,6 +5,7 @@ import shutil
 import types
 
 import numpy as np
+import pytest
 
 from rlhfuse_jax.trainer import inputs
 
@@ -505,6 +506,38 @@ def test_a_raised_schedule_after_a_resumes_horizon_names_the_checkpoints_horizon
   assert ("a changed optim.schedule_iterations: 0 -> 20 (0 there: the checkpoints' horizon, 16 "
           "iterations)") in caplog.text, caplog.text
   assert "first start" not in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize("written, resumed, said", [
+    (0, 3, "0 -> 3 (0 there: the checkpoints' horizon, 1 iteration)"),
+    (1, 0, "1 -> 0 (0 keeps the checkpoints' horizon, 1 iteration: the LR schedule")])
+def test_a_one_iteration_horizon_is_said_in_the_singular(tmp_path, caplog, written, resumed,
+                                                          said):
+  """Checkpoints keeping a 1-iteration LR horizon, resumed with another schedule_iterations:
+  the warning said '1 iterations'."""
+  import jax.numpy as jnp
+  from rlhfuse_jax.trainer import hooks
+  from tests.test_trainer import tiny_config
+  workdir = str(tmp_path / "run")
+  cfg = tiny_config(**{"num_iterations": 1, "optim.schedule_iterations": written})
+  ckpts = hooks.Checkpoints(workdir, cfg, cfg.fingerprint())
+  try:
+    ckpts.state_fn = lambda: {"w": jnp.zeros((2,))}
+    ckpts.meta_fn = lambda: {"data": {}, "schedule_iterations": 1}
+    ckpts.after(1, {}, stopping=True)
+    ckpts.wait()
+  finally:
+    ckpts.checkpointer.close()
+  again = tiny_config(**{"num_iterations": 3, "optim.schedule_iterations": resumed,
+                         "checkpoint.resume_changes": "optim.schedule_iterations"})
+  restarted = hooks.Checkpoints(workdir, again, again.fingerprint())
+  try:
+    with caplog.at_level("WARNING"):
+      assert restarted.resume_point()[0] == 1
+  finally:
+    restarted.checkpointer.close()
+  assert f"a changed optim.schedule_iterations: {said}" in caplog.text, caplog.text
+  assert "1 iterations" not in caplog.text, caplog.text
 
 
 def test_a_new_path_with_files_an_unread_input_is_not_named_missing(tmp_path):

@@ -503,12 +503,13 @@ class Checkpoints(Hook):
       # schedule that had none; "16 -> 0" as a return to the first start's horizon, while the
       # LR went on along the 16 iterations' cosine)
       kept = meta.get("schedule_iterations")
+      span = f"{kept} iteration{'' if kept == 1 else 's'}"
       horizon = ""
       if kept and change.startswith("optim.schedule_iterations: 0 ->"):
         # (the checkpoints', not always the first start's: a resume may have set it since)
-        horizon = f" (0 there: the checkpoints' horizon, {kept} iterations)"
+        horizon = f" (0 there: the checkpoints' horizon, {span})"
       elif kept and change.startswith("optim.schedule_iterations:") and change.endswith("-> 0"):
-        horizon = (f" (0 keeps the checkpoints' horizon, {kept} iterations: the LR schedule "
+        horizon = (f" (0 keeps the checkpoints' horizon, {span}: the LR schedule "
                    "stays as it was; set the number of iterations it should span instead)")
       logging.warning("resuming iteration %s with a changed %s%s (config.checkpoint."
                       "resume_changes)", meta.get("iteration"), change, horizon)
