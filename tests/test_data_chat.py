@@ -190,6 +190,21 @@ def test_named_templates_strftime_and_errors(tmp_path):
     ChatTemplate.load(str(tmp_path / "evil.jinja")).render("hi")
 
 
+def test_auto_without_a_tokenizer_config_does_not_say_it_looked_inside_one(tmp_path):
+  """A tokenizer.json alone in its directory (no tokenizer_config.json): the error said it
+  looked for a 'chat_template' entry in a file that does not exist."""
+  (tmp_path / "tokenizer.json").write_text("{}")
+  config = str(tmp_path / "tokenizer_config.json")
+  with pytest.raises(ChatTemplateError) as e:
+    ChatTemplate.load("auto", str(tmp_path / "tokenizer.json"))
+  assert f"and {config}, which does not exist)" in str(e.value), str(e.value)
+  assert "entry in" not in str(e.value), str(e.value)
+  # With the file there (and no template in it) the entry is what was looked for.
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+  with pytest.raises(ChatTemplateError, match=f"and a 'chat_template' entry in {config}\\)"):
+    ChatTemplate.load("auto", str(tmp_path / "tokenizer.json"))
+
+
 def test_generation_blocks_render_their_body(tmp_path):
   """Templates written for assistant-only losses (TRL) mark the assistant's text with
   {% generation %}; transformers renders the body unchanged (its AssistantTracker), so do we

@@ -207,11 +207,15 @@ class ChatTemplate:
             "init.tokenizer, a template path, or 'none'")
       found = _find_template(tok_dir)
       if found is None:
+        config_path = os.path.join(tok_dir, CONFIG_FILE)
+        # (a tokenizer.json copied alone has no config beside it: say so, not that its entry
+        # was looked for in a file that is not there)
+        looked = (f"and a 'chat_template' entry in {config_path}" if os.path.isfile(config_path)
+                  else f"and {config_path}, which does not exist")
         raise ChatTemplateError(
             f"config.data.chat_template='auto': no chat template next to the tokenizer (looked "
-            f"for {os.path.join(tok_dir, TEMPLATE_FILE)} and a 'chat_template' entry in "
-            f"{os.path.join(tok_dir, CONFIG_FILE)}); a base model has none: set 'none' or a "
-            "template path")
+            f"for {os.path.join(tok_dir, TEMPLATE_FILE)} {looked}); a base model has none: set "
+            "'none' or a template path")
     else:
       if not os.path.exists(spec):
         raise ChatTemplateError(f"config.data.chat_template={spec!r}: no such file or directory; "
