@@ -12,6 +12,9 @@ made by configs/data/make_tiny_example.py. The model is random: its reward stays
 (docs/own_model.md says what the run shows). Variant: `configs/ppo_hf.py:grpo` (critic-free,
 4 samples per prompt).
 
+`configs/ppo_hf.py:reward_model`: a reward model scores the responses instead of the verifier
+(no answers, no format term, no held-out set); give it with --config.reward.model_checkpoint.
+
 `configs/ppo_hf.py:ppo_gpu` and `configs/ppo_hf.py:grpo_gpu`: the same run at the size of a
 ~1B model on one 8-GPU host (bf16, fsdp=8, 512-token prompts, 1024 new tokens, fine-tuning
 rates); they still point at the tiny model and data, so give them yours. docs/own_model.md has
@@ -72,10 +75,13 @@ def get_config(arg: str = "ppo"):
   c.checkpoint.every = 25
   c.checkpoint.export_hf = "auto"  # the checkpoint's own family: llama
 
+  if arg == "reward_model":
+    _reward_model(c)
+    return c
   algo, _, size = arg.partition("_")
   if algo not in ("ppo", "grpo") or size not in ("", "gpu"):
     raise ValueError(f"configs/ppo_hf.py: unknown variant {arg!r}; expected 'ppo', 'grpo', "
-                     "'ppo_gpu' or 'grpo_gpu'")
+                     "'ppo_gpu', 'grpo_gpu' or 'reward_model'")
   if algo == "grpo":
     c.algo.estimator = "grpo"
     c.rollout.prompts_per_iteration = 4
@@ -86,6 +92,23 @@ def get_config(arg: str = "ppo"):
   if size == "gpu":
     _gpu(c, grpo=algo == "grpo")
   return c
+
+
+def _reward_model(c) -> None:
+  """A reward model in place of the verifier (docs/own_model.md): the gsm8k verifier, its format
+  term, the answer column and the held-out set (validated on the verifier) are cleared back to
+  their defaults, so that none is still used or warned of; the run stops on the empty
+  reward.model_checkpoint, naming it, until --config.reward.model_checkpoint=DIR gives one."""
+  defaults = config_lib.defaults()
+  c.reward.kind = "model"
+  c.reward.model_checkpoint = ""  # yours: an HF *ForSequenceClassification directory
+  c.reward.function = ""
+  c.reward.format = ""
+  c.reward.format_weight = defaults["reward"]["format_weight"]
+  c.data.answer_key = defaults["data"]["answer_key"]  # read by no verifier: prompts alone do
+  c.data.val_file = ""  # a held-out set of your own: --config.data.val_file (and eval_every)
+  c.data.val_max_prompts = defaults["data"]["val_max_prompts"]
+  c.eval_every = defaults["eval_every"]
 
 
 def _gpu(c, grpo: bool) -> None:

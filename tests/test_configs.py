@@ -35,6 +35,11 @@ PARSERS = {
 }
 
 
+# (config, variant) -> the field a user must give it (the variant leaves it empty, refused by
+# name) and a value to parse the rest with
+NEEDS = {("ppo_hf", "reward_model"): ("reward.model_checkpoint", "/models/my-rm")}
+
+
 def _module(name):
   return importlib.import_module(f"configs.{name}")
 
@@ -93,7 +98,13 @@ def test_get_config_and_documented_variants_parse(name):
   mod = _module(name)
   _parse(name, mod.get_config())
   for variant in _variants(name):
-    _parse(name, mod.get_config(variant))
+    c = mod.get_config(variant)
+    if (name, variant) in NEEDS:
+      field, value = NEEDS[name, variant]
+      with pytest.raises(ValueError, match=rf"^config\.{re.escape(field)}=''"):
+        _parse(name, c)
+      _override(c, field, value, f"configs/{name}.py:{variant}")
+    _parse(name, c)
 
 
 @pytest.mark.parametrize(

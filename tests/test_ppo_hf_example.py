@@ -446,3 +446,48 @@ def test_the_example_maker_refuses_an_option_for_its_output_directory(tmp_path):
                        cwd=tmp_path, capture_output=True, text=True, timeout=120)
   assert out.returncode == 1 and "usage: python configs/data/make_tiny_example.py" in out.stderr
   assert os.listdir(tmp_path) == []
+
+
+def test_the_reward_model_variant_clears_the_verifier_and_needs_a_checkpoint(tmp_path):
+  """configs/ppo_hf.py:reward_model (docs/own_model.md's reward-model command): no verifier,
+  format term, answer column or held-out file left from the example, the reward model's path
+  required by name; with a reward model (the example's model with a score head) the binary
+  starts and trains 1 iteration warning of no field left unused. (A subprocess: the binary
+  defines absl flags.)"""
+  import shutil
+  import subprocess
+  import sys
+  from tests.xla_env import subprocess_env
+  c = ppo_hf.get_config("reward_model")
+  assert (c.reward.kind, c.reward.function, c.reward.format) == ("model", "", "")
+  assert c.data.val_file == "" and c.data.answer_key == "target"  # the default, read by none
+  assert c.data.prompts_file and c.init.actor_checkpoint == ppo_hf.MODEL_DIR
+  with pytest.raises(ValueError, match=r"^config\.reward\.model_checkpoint='': expected a "
+                                       r"checkpoint directory when reward\.kind='model'"):
+    TrainConfig.from_config_dict(c)
+  rm = tmp_path / "rm"
+  shutil.copytree(os.path.join(DATA, "tiny_llama3_chat"), rm)
+  with open(rm / "config.json") as f:
+    hf = json.load(f)
+  hf["architectures"] = ["LlamaForSequenceClassification"]
+  (rm / "config.json").write_text(json.dumps(hf))
+  weights = _tensors(str(rm))
+  weights["score.weight"] = weights["model.embed_tokens.weight"][3:4].copy()  # [1, hidden]
+  safetensors.numpy.save_file(weights, str(rm / "model.safetensors"))
+  wd = tmp_path / "run"
+  out = subprocess.run(
+      [sys.executable, "-m", "experiments.train_ppo", "--config=configs/ppo_hf.py:reward_model",
+       f"--workdir={wd}", f"--config.reward.model_checkpoint={rm}",
+       "--config.num_iterations=1", "--config.rollout.prompts_per_iteration=4",
+       "--config.algo.minibatch_size=4", "--config.rollout.max_new_tokens=8",
+       "--config.log_samples=0", "--config.checkpoint.export_hf="],
+      cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "not used" not in out.stderr, out.stderr[-3000:]
+  with open(wd / "metrics.jsonl") as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  assert [r["step"] for r in rows] == [1]
+  assert f"reward model {rm} scores each sequence" in out.stderr, out.stderr[-3000:]
+  assert np.isfinite(rows[0]["reward/mean"]) and rows[0]["reward/std"] > 0, rows[0]
+  # The model's score alone: no verifier, format term or validation pass.
+  assert not [k for k in rows[0] if "function" in k or "format" in k or k.startswith("val/")]
