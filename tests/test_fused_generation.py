@@ -437,6 +437,27 @@ def test_timeline_metrics_average_over_the_watched_instances():
   assert everyone.instance_busy_frac == 0.5  # one process holding both: the other idles
 
 
+def test_a_batch_without_inference_models_gives_no_reason_for_its_overlap(one_device, runs):
+  """A batch that runs no inference model (GRPO with kl_coef 0 and a verifier: no reference,
+  critic or reward model; a validation pass's rewards_only with a verifier) frees no instance
+  for inference, by design: its consolidation released instances all the same. The progress
+  line said "inference overlap 0% (no instance freed before generation ended)", a cause that
+  was false; the two counts behind a reason are left out, and so is the reason."""
+  from rlhfuse_jax.trainer.rollout import progress_summary
+  gen, actor, params = one_device
+  (tokens, lens, budgets), _, early, _ = runs
+  out = gen.run(actor, params, tokens, lens, KEY, budgets=budgets, fuse=True, rt=1.0, models=[])
+  assert_same_samples(out, early)
+  assert out.consolidations and out.consolidations[0]["released"]
+  assert out.metrics["fusion/inference_overlap_frac"] == 0.0
+  assert "fusion/freed_before_gen_end" not in out.metrics
+  assert "fusion/loaded_before_gen_end" not in out.metrics
+  assert progress_summary(out.metrics).endswith(", inference overlap 0%"), (
+      progress_summary(out.metrics))
+  # With the models, the counts are there (test_metrics_and_timeline checks their values).
+  assert {"fusion/freed_before_gen_end", "fusion/loaded_before_gen_end"} <= early.metrics.keys()
+
+
 def test_instances_loaded_before_generation_ended_count_only_loads_that_ended_in_time():
   """The count behind a 0 % overlap's reason on the progress line: an instance whose weights
   came in after the tail ended (2 here) could not score during it, nor could another process's

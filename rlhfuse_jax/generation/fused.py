@@ -1224,11 +1224,6 @@ class _Run:
         "gen/migration_cross_host_compile_s": float(sum(c["cross_host_compile_s"] for c in cons)),
         "gen/instance_busy_frac": tl.instance_busy_frac,
         "fusion/inference_overlap_frac": tl.inference_overlap_frac,
-        # Why an overlap is 0: instances freed for inference before generation ended (released
-        # by the consolidation or done with their samples; set by the tokens, not by timing),
-        # and of this process's, those whose weights were in by then (timing: the loads).
-        "fusion/freed_before_gen_end": self.freed_before_end,
-        "fusion/loaded_before_gen_end": tl.loaded_before_gen_end,
         "fusion/weight_load_s": tl.kind_s("load"),
         "fusion/weight_load_bytes": load_bytes,
         "fusion/rt": float(self.rt),
@@ -1244,6 +1239,14 @@ class _Run:
         "timing_s/gen_plus_inf": gen_plus_inf,
         "timing_s/actor_to_instances": place_s,
     }
+    if self.models:
+      # Why an overlap is 0: instances freed for inference before generation ended (released
+      # by the consolidation or done with their samples; set by the tokens, not by timing),
+      # and of this process's, those whose weights were in by then (timing: the loads). Not for
+      # a batch without inference models: it frees none by design, and the progress line said
+      # "no instance freed" of one whose consolidation had released two.
+      metrics["fusion/freed_before_gen_end"] = self.freed_before_end
+      metrics["fusion/loaded_before_gen_end"] = tl.loaded_before_gen_end
     return FusedOutput(rollout=rollout, ref_logp=out.get("reference"), values=out.get("critic"),
                        rewards=out.get("reward"), timeline=tl, consolidations=cons, rt=self.rt,
                        rt_choice=None, no_migration=list(self.reasons), metrics=metrics)
