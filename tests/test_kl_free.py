@@ -54,6 +54,9 @@ def test_kl_coef_0_runs_no_reference_and_trains_as_if_it_had(tmp_path, monkeypat
     assert "actor/kl_loss" not in h
   for h in h_fused:  # nothing loaded onto the freed instances
     assert h["fusion/weight_load_bytes"] == 0
+    # ... nor any freed for inference, by design: no reason given for its 0 % overlap (it said
+    # "no instance freed before generation ended" of consolidations that had released some)
+    assert rollout.progress_summary(h).endswith(", inference overlap 0%"), h
   assert _deterministic(h_serial) == _deterministic(h_fused)
   jax.tree.map(np.testing.assert_array_equal, _actor(serial), _actor(fused))
   # The reference scored for nothing (the behaviour before): the same updates, plus kl/*.
