@@ -102,10 +102,29 @@ def checksums(state: Any) -> dict[str, int]:
   return {k: int(v) for k, v in zip(keys, jax.device_get([s.addressable_data(0) for s in sums]))}
 
 
+# What orbax appends to an array read's error: the array's TensorStore spec, a multi-line repr
+# whose first line reads "<bound method ...spec of TensorStore({" (cut off there).
+_TENSORSTORE_DETAILS = ". See full TensorStore details"
+
+
 def error_line(e: BaseException) -> str:
   """`Type: first line` of an error reading a checkpoint, at most 300 characters of the line
-  (orbax's run to dozens of lines): what the refusals of a checkpoint that cannot be read show."""
-  return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+  (orbax's run to dozens of lines): what the refusals of a checkpoint that cannot be read show.
+  With the error it was raised from (`raise ... from`), that one's line too: orbax's array read
+  says only "Encountered error while reading array index: (...)", and the TensorStore error
+  beneath names the array and the file ("Error reading "w/0" in OCDBT database at local file
+  ...: Requested byte range [0, 2552) is not valid for value of size 1000")."""
+  def line(x: BaseException) -> str:
+    text = (str(x).splitlines() or [""])[0].split(_TENSORSTORE_DETAILS)[0]
+    return f"{type(x).__name__}: {text[:300]}"
+  root, seen = e, {id(e)}
+  while root.__cause__ is not None and id(root.__cause__) not in seen:
+    root = root.__cause__
+    seen.add(id(root))
+  outer = line(e)
+  if root is e or line(root).split(": ", 1)[1] in outer:
+    return outer
+  return f"{outer} (from {line(root)})"
 
 
 class DamagedCheckpointError(ValueError):

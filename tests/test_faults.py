@@ -1429,6 +1429,31 @@ def test_another_layout_is_not_mistaken_for_damage(tmp_path):
   ck.close()
 
 
+def test_an_unreadable_array_is_named_with_its_file_in_the_one_line_error(tmp_path):
+  """A truncated data file of a checkpoint: orbax raises "Encountered error while reading array
+  index: (...). See full TensorStore details: <bound method ...spec of TensorStore({" and keeps
+  the array's name and the file in the error it raised from; the fallback's warning (and the
+  refusals) showed orbax's line alone, naming neither (a kill-and-damage review, 2026-12-07)."""
+  import jax.numpy as jnp
+  ck = checkpointing.Checkpointer(str(tmp_path))
+  state = {"w": jnp.arange(4096, dtype=jnp.float32)}
+  try:
+    ck.save(2, state, {"iteration": 2})
+    ck.wait()
+    data = os.path.join(tmp_path, "checkpoints", "2", "state", "ocdbt.process_0", "d")
+    for name in os.listdir(data):  # every data file cut short: the array's chunk is in one
+      os.truncate(os.path.join(data, name), 100)
+    with pytest.raises(Exception) as e:
+      ck.restore(2, state)
+  finally:
+    ck.close()
+  line = checkpointing.error_line(e.value)
+  assert "TensorStore details" not in line and "bound method" not in line, line
+  assert '"w/0"' in line, line  # the array (its first chunk)
+  assert os.path.join(str(tmp_path), "checkpoints", "2") in line, line
+  assert len(line) <= 700 and "\n" not in line
+
+
 def test_the_partial_directory_of_a_killed_save_is_removed(tmp_path):
   """A save killed mid-way leaves <step>.orbax-checkpoint-tmp-*: never a checkpoint, one copy
   of the state per preemption. The next start removes it and keeps the finished checkpoints,
