@@ -146,8 +146,8 @@ def test_the_length_distribution_is_recorded_and_compared(tmp_path):
   lengths = record["lengths"]
   assert lengths["data"] == {"prompts_file": "", "task": "repeat", "num_prompts": 4096,
                              "length_dist": "uniform", "length_min": 1, "length_max": 8,
-                             "val_fraction": 0.0, "tokenizer": "", "chat_template": "none",
-                             "seed": 0}, lengths
+                             "val_fraction": 0.0, "tokenizer": "", "chat_template": "none"
+                             }, lengths
   # what the search sampled: repeat's 4-token prompts, targets of 1-8 tokens + EOS
   assert (lengths["prompt"]["max"], lengths["prompt"]["p50"]) == (4, 4.0), lengths
   assert 2 <= lengths["response"]["p50"] and lengths["response"]["max"] <= 9, lengths
@@ -268,8 +268,8 @@ def test_a_plan_file_without_lengths_loads_and_says_it_cannot_check_them(tmp_pat
   unchecked = ("records no prompt and response lengths (data.prompts_file, data.task, "
                "data.num_prompts, data.length_dist, data.length_min, data.length_max, "
                "data.length_mu, data.length_sigma, data.prompt_key, data.val_fraction, "
-               "init.tokenizer, data.chat_template, seed) (a plan.json written before "
-               "plan_search recorded them): those are not compared with this run's")
+               "init.tokenizer, data.chat_template) (a plan.json written before plan_search "
+               "recorded them): those are not compared with this run's")
   assert plan_file_lib.plan_workload_note(path, cfg) == (
       False, f"config.plan.file={path!r} {unchecked}")
   run = _with_data(dataclasses.replace(cfg, rollout=dataclasses.replace(
@@ -361,8 +361,8 @@ def test_the_tokenizer_chat_template_and_prompt_count_are_recorded_and_compared(
       "them): those are not compared with this run's"))
   assert plan_file_lib.plan_workload_unrecorded({"workload": {**old, "lengths": {
       "data": {"prompts_file": "p.jsonl", "prompts_digest": "0" * 64}}}})[-1] == (
-          "init.tokenizer, data.chat_template, data.prompt_key, data.val_fraction, seed of "
-          "its lengths")
+          "init.tokenizer, data.chat_template, data.prompt_key, data.val_fraction of its "
+          "lengths")
 
 
 def _file_run_and_record(tmp_path, prompts, **data):
@@ -424,7 +424,7 @@ def test_the_prompt_field_and_the_held_out_fraction_are_recorded_and_compared(tm
           f"lengths.data.prompts_file={str(prompts)!r} (this run's data.prompts_file is "
           f"{str(tmp_path / 'q.jsonl')!r})"]
   assert plan_file_lib.plan_workload_unrecorded(old_plan)[-1] == (
-      "data.prompt_key, data.val_fraction, seed of its lengths")
+      "data.prompt_key, data.val_fraction of its lengths")
   # (a task's names no prompt_key, which it never read)
   old_task = {**record, "lengths": {**record["lengths"], "data": {
       k: v for k, v in record["lengths"]["data"].items() if k != "val_fraction"}}}
@@ -432,59 +432,6 @@ def test_the_prompt_field_and_the_held_out_fraction_are_recorded_and_compared(tm
   assert plan_file_lib.plan_workload_note(path, task_cfg) == (False, (
       f"config.plan.file={path!r} records no data.val_fraction of its lengths (a plan.json "
       "written before plan_search recorded them): those are not compared with this run's"))
-
-
-def test_the_seed_that_draws_the_pool_is_recorded_and_compared(tmp_path):
-  """The run's seed draws a task's prompts and targets, and picks the data.val_fraction held
-  out: plan.json did not record it, and a plan searched for ppo_tiny at seed 0 ran seed 1's
-  pool (other targets: another mean response length) without a word. It is recorded where it
-  draws the pool and compared; a prompts file read whole is its own pool at any seed."""
-  cfg, record = _tiny_run_and_record(tmp_path)
-  assert record["lengths"]["data"]["seed"] == 0
-  plan = {"workload": record}
-  seeded = dataclasses.replace(cfg, seed=1)
-  task, tokenizer = build.build_task_and_tokenizer(seeded)
-  wl = sim_plan.workload(seeded, task, tokenizer, 8, str(tmp_path / "s1"))[0]
-  other = plan_search.workload_record(wl, "configs/ppo_tiny.py")["lengths"]
-  assert other["response"]["mean"] != record["lengths"]["response"]["mean"], other
-  assert plan_file_lib.plan_workload_differences(plan, seeded) == [
-      "lengths.data.seed=0 (this run's seed is 1)"]
-  # a prompts file read whole: no seed recorded, none compared; a fraction held out: both
-  prompts = tmp_path / "p.jsonl"
-  prompts.write_text("".join(json.dumps({"prompt": " ".join(["a"] * (1 + i % 8)),
-                                         "target": "a"}) + "\n" for i in range(40)))
-  file_cfg, lengths = _file_run_and_record(tmp_path, prompts)
-  assert "seed" not in lengths["data"]
-  file_plan = {"workload": {"train_config": "c.py", "lengths": lengths}}
-  assert plan_file_lib.plan_workload_differences(
-      file_plan, dataclasses.replace(file_cfg, seed=1)) == []
-  held_cfg, held = _file_run_and_record(tmp_path, prompts, val_fraction=0.5)
-  assert held["data"]["seed"] == 0
-  held_plan = {"workload": {"train_config": "c.py", "lengths": held}}
-  assert plan_file_lib.plan_workload_differences(
-      held_plan, dataclasses.replace(held_cfg, seed=1)) == [
-          "lengths.data.seed=0 (this run's seed is 1)"]
-  # the task's plan for a file's run: the prompts file named alone (the pools differ anyway)
-  task_lengths = {"workload": {"train_config": "c.py", "lengths": record["lengths"]}}
-  assert plan_file_lib.plan_workload_differences(
-      task_lengths, dataclasses.replace(held_cfg, seed=1)) == [
-          f"lengths.data.prompts_file='' (this run's data.prompts_file is {str(prompts)!r})",
-          "lengths.data.val_fraction=0.0 (this run's data.val_fraction is 0.5)",
-          "lengths.data.tokenizer='' (this run's init.tokenizer is "
-          f"{held_cfg.init.tokenizer!r})"]
-  # a plan.json from before it was recorded: the rest compared, the seed named once (not for
-  # a file read whole, whose pool no seed draws)
-  old = {**record, "lengths": {**record["lengths"], "data": {
-      k: v for k, v in record["lengths"]["data"].items() if k != "seed"}}}
-  path = _plan_file(tmp_path, old)
-  assert plan_file_lib.plan_workload_note(path, seeded) == (False, (
-      f"config.plan.file={path!r} records no seed of its lengths (a plan.json written before "
-      "plan_search recorded them): those are not compared with this run's"))
-  assert plan_file_lib.plan_workload_unrecorded({"workload": {**record, "lengths": lengths}}) \
-      == []
-  old_held = {**held, "data": {k: v for k, v in held["data"].items() if k != "seed"}}
-  assert plan_file_lib.plan_workload_unrecorded({"workload": {**record, "lengths": old_held}}) \
-      == ["seed of its lengths"]
 
 
 def test_a_paper_pairs_plan_says_its_lengths_are_not_compared(tmp_path):

@@ -231,19 +231,13 @@ LENGTH_INPUT_FIELDS = {"prompts_file": "data.prompts_file", "task": "data.task",
                        "length_min": "data.length_min", "length_max": "data.length_max",
                        "length_mu": "data.length_mu", "length_sigma": "data.length_sigma",
                        "prompt_key": "data.prompt_key", "val_fraction": "data.val_fraction",
-                       "tokenizer": "init.tokenizer", "chat_template": "data.chat_template",
-                       "seed": "seed"}
+                       "tokenizer": "init.tokenizer", "chat_template": "data.chat_template"}
 # Recorded later on 2026-12-07: a plan for one template or tokenizer ran with another without a
 # word (tests/fixtures/tiny_chat's chatml template made 64 prompts 67 tokens long on average,
 # from 42), and so did one for a file's other field (prompt_key) or a pool with a fraction held
 # out. A file without them compares the rest and says which it lacks.
 LATER_LENGTH_INPUTS = ("tokenizer", "chat_template", "num_prompts", "prompt_key",
-                       "val_fraction", "seed")
-# The run's seed draws a task's prompts and targets (build.load_prompt_records) and picks the
-# data.val_fraction held out: recorded (since 2026-12-07) where it draws the pool, a task's or
-# a fraction held out, and compared where both draw it from the same source. Not for a prompts
-# file read whole: its pool is the file's, whatever the seed (which orders it alone).
-SEEDED_LENGTH_INPUT = "seed"
+                       "val_fraction")
 # Those of a prompts file alone (a task's prompts are its own), and of a task alone.
 FILE_LENGTH_INPUTS = ("prompt_key",)
 TASK_LENGTH_INPUTS = ("task", "num_prompts", "length_dist", "length_min", "length_max",
@@ -264,11 +258,9 @@ LENGTH_INPUT_FILES = {"prompts_file": (PROMPTS_DIGEST, ("",)),
 
 
 def _run_value(cfg: Any, key: str) -> Any:
-  """The run `cfg`'s field that LENGTH_INPUT_FIELDS gives for `key` ('seed' is top-level)."""
-  value = cfg
-  for name in LENGTH_INPUT_FIELDS[key].split("."):
-    value = getattr(value, name)
-  return value
+  """The run `cfg`'s field that LENGTH_INPUT_FIELDS gives for `key`."""
+  section, name = LENGTH_INPUT_FIELDS[key].split(".")
+  return getattr(getattr(cfg, section), name)
 
 
 def _input_digests(cfg: Any, inputs: Optional[Mapping[str, Any]]) -> Mapping[str, Any]:
@@ -292,8 +284,7 @@ def run_length_inputs(cfg: Any, inputs: Optional[Mapping[str, Any]] = None) -> d
   the field of its rows read as the prompt (its responses uniform, their limit compared as
   max_new_tokens), else the task, its prompt count and its target lengths' distribution
   (length_mu and length_sigma of a log-normal only: a uniform one reads neither); then the
-  fraction held out, the tokenizer and the chat template; the seed where it draws the pool (a
-  task's, or a fraction held out: SEEDED_LENGTH_INPUT). A file's (LENGTH_INPUT_FILES) as its
+  fraction held out, the tokenizer and the chat template. A file's (LENGTH_INPUT_FILES) as its
   absolute path and its content's digests where it exists: of `inputs`, the resume check's
   fingerprints, where given (_input_digests)."""
   d = cfg.data
@@ -307,8 +298,6 @@ def run_length_inputs(cfg: Any, inputs: Optional[Mapping[str, Any]] = None) -> d
       out.update(length_mu=d.length_mu, length_sigma=d.length_sigma)
   out.update(val_fraction=d.val_fraction, tokenizer=cfg.init.tokenizer,
              chat_template=d.chat_template)
-  if not d.prompts_file or d.val_fraction:  # (SEEDED_LENGTH_INPUT: the seed draws the pool)
-    out[SEEDED_LENGTH_INPUT] = cfg.seed
   digests = _input_digests(cfg, inputs)
   for key, (digest_key, no_file) in LENGTH_INPUT_FILES.items():
     if out[key] in no_file:
@@ -354,11 +343,9 @@ def _length_differences(lengths: Mapping[str, Any], cfg: Any,
   # (a task's fields where neither has a prompts file, a file's where both have one)
   source = (FILE_LENGTH_INPUTS if data.get("prompts_file", "") and cfg.data.prompts_file else
             () if data.get("prompts_file", "") or cfg.data.prompts_file else TASK_LENGTH_INPUTS)
-  # (a prompts file compared also where "data" has no entry for it: then none; the seed where
-  # both draw their pool with it from the same source)
+  # (a prompts file compared also where "data" has no entry for it: then none)
   keys = [k for k in LENGTH_INPUT_FIELDS if k == "prompts_file" or k in data and (
-      k in run and (k in source or k == SEEDED_LENGTH_INPUT and source) or
-      k not in FILE_LENGTH_INPUTS + TASK_LENGTH_INPUTS + (SEEDED_LENGTH_INPUT,))]
+      k in run and k in source or k not in FILE_LENGTH_INPUTS + TASK_LENGTH_INPUTS)]
   out = []
   for k in keys:
     same = (_same_input(data, run, k) if k in LENGTH_INPUT_FILES else
@@ -499,11 +486,8 @@ def plan_workload_unrecorded(plan: Mapping[str, Any]) -> list[str]:
       out.append("content digest of its prompts file (its data.prompts_file is compared by "
                  "path)")
     # (a prompts file's prompts are its own: no task's fields; a task's, no prompt_key)
-    # (nor a seed, for a file read whole: a val_fraction of 0 recorded)
     later = [LENGTH_INPUT_FIELDS[k] for k in LATER_LENGTH_INPUTS if k not in data and k not in (
-        TASK_LENGTH_INPUTS if data.get("prompts_file") else FILE_LENGTH_INPUTS) and not (
-            k == SEEDED_LENGTH_INPUT and data.get("prompts_file") and
-            data.get("val_fraction", 1) == 0)]
+        TASK_LENGTH_INPUTS if data.get("prompts_file") else FILE_LENGTH_INPUTS)]
     if later:
       out.append(f"{', '.join(later)} of its lengths")
   return out
