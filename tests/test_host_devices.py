@@ -217,6 +217,27 @@ def test_the_launcher_reads_relative_paths_where_it_was_started(tmp_path):
   assert not os.path.exists(os.path.join(REPO, "runs", "wd.proc0.log"))
 
 
+def _path_flag_files(tmp_path):
+  """What the launchers' path-flag tests name: ps/plan.json, p.jsonl and a model/ folder, where
+  the launcher is started (tmp_path)."""
+  (tmp_path / "ps").mkdir()
+  (tmp_path / "ps" / "plan.json").write_text("{}")
+  (tmp_path / "p.jsonl").write_text("")
+  (tmp_path / "model").mkdir()
+
+
+def _launch_with_paths(tmp_path, script, flags):
+  """`script` started in tmp_path with `flags`, its python a stand-in that logs its arguments:
+  (the launcher's CompletedProcess, which must exit 0; the arguments the processes got)."""
+  fake = _stand_in(tmp_path / "python", f'echo "ARGS=$*" >> {tmp_path}/calls')
+  first = ["1", "1"] if script == "local_multiprocess.sh" else ["configs/ppo_tiny.py"]
+  out = subprocess.run(["bash", os.path.join(REPO, "launch", script), *first, "wd", *flags],
+                       cwd=tmp_path, env=dict(os.environ, PYTHON=str(fake), FOLLOW="0"),
+                       capture_output=True, text=True, timeout=60)
+  assert out.returncode == 0, out.stderr
+  return out, (tmp_path / "calls").read_text()
+
+
 @pytest.mark.parametrize("script", ["local_multiprocess.sh", "tpu_pod.sh"])
 def test_the_launchers_read_a_flags_relative_path_where_started_if_only_there(tmp_path, script):
   """--config.plan.file=ps/plan.json, given from the directory that holds ps/, was read from
@@ -226,23 +247,14 @@ def test_the_launchers_read_a_flags_relative_path_where_started_if_only_there(tm
   under the root is read there as before; one found in neither place is said, naming both. A
   bare word is passed as given, said: --config.reward.kind=model, started beside a model/
   folder, became that folder's path."""
-  fake = _stand_in(tmp_path / "python", f'echo "ARGS=$*" >> {tmp_path}/calls')
-  (tmp_path / "ps").mkdir()
-  (tmp_path / "ps" / "plan.json").write_text("{}")
-  (tmp_path / "p.jsonl").write_text("")
-  (tmp_path / "model").mkdir()
+  _path_flag_files(tmp_path)
   (tmp_path / "configs").mkdir()
   (tmp_path / "configs" / "ppo_tiny.py").write_text("")  # also under the root: the root's
   flags = ["--config.plan.file=ps/plan.json", "--config.data.prompts_file=./ps/plan.json",
            "--config.pipeline.schedule_file=configs/ppo_tiny.py", "--config.data.task=repeat",
            "--config.init.tokenizer=nothere/tok.json", "--config.num_iterations=2",
            "--config.reward.kind=model", "--config.data.val_file=p.jsonl"]
-  first = ["1", "1"] if script == "local_multiprocess.sh" else ["configs/ppo_tiny.py"]
-  out = subprocess.run(["bash", os.path.join(REPO, "launch", script), *first, "wd", *flags],
-                       cwd=tmp_path, env=dict(os.environ, PYTHON=str(fake), FOLLOW="0"),
-                       capture_output=True, text=True, timeout=60)
-  assert out.returncode == 0, out.stderr
-  log = (tmp_path / "calls").read_text()
+  out, log = _launch_with_paths(tmp_path, script, flags)
   assert (f"--config.plan.file={tmp_path}/ps/plan.json --config.data.prompts_file={tmp_path}/"
           "./ps/plan.json --config.pipeline.schedule_file=configs/ppo_tiny.py "
           "--config.data.task=repeat --config.init.tokenizer=nothere/tok.json "
@@ -267,20 +279,11 @@ def test_the_launchers_read_a_space_separated_flags_path_as_the_equals_form(tmp_
   form's relative path was passed as given, read from the repository root, and every process
   stopped on "No such file" naming ps/plan.json alone. Both forms are rewritten and said alike;
   a flag without a value (a boolean) before another flag is left alone."""
-  fake = _stand_in(tmp_path / "python", f'echo "ARGS=$*" >> {tmp_path}/calls')
-  (tmp_path / "ps").mkdir()
-  (tmp_path / "ps" / "plan.json").write_text("{}")
-  (tmp_path / "p.jsonl").write_text("")
-  (tmp_path / "model").mkdir()
+  _path_flag_files(tmp_path)
   flags = ["--config.plan.file", "ps/plan.json", "--config.fusion.inter_stage",
            "--config.data.val_file", "p.jsonl", "--config.reward.kind", "model",
            "-config.init.tokenizer", "nothere/tok.json", "--config.num_iterations", "2"]
-  first = ["1", "1"] if script == "local_multiprocess.sh" else ["configs/ppo_tiny.py"]
-  out = subprocess.run(["bash", os.path.join(REPO, "launch", script), *first, "wd", *flags],
-                       cwd=tmp_path, env=dict(os.environ, PYTHON=str(fake), FOLLOW="0"),
-                       capture_output=True, text=True, timeout=60)
-  assert out.returncode == 0, out.stderr
-  log = (tmp_path / "calls").read_text()
+  out, log = _launch_with_paths(tmp_path, script, flags)
   assert (f"--config.plan.file {tmp_path}/ps/plan.json --config.fusion.inter_stage "
           f"--config.data.val_file {tmp_path}/p.jsonl --config.reward.kind model "
           "-config.init.tokenizer nothere/tok.json --config.num_iterations 2") in log, log
