@@ -13,6 +13,7 @@ checked whenever it is read: a flipped bit in one of its numbers still parses.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging as py_logging
@@ -125,6 +126,43 @@ def error_line(e: BaseException) -> str:
   if root is e or line(root).split(": ", 1)[1] in outer:
     return outer
   return f"{outer} (from {line(root)})"
+
+
+class UnreadableJsonError(ValueError):
+  """A JSON file of a checkpoint (orbax's metadata, the side-car) that does not parse, named:
+  json's error says where in the text, not which file (a fallback's warning named the step
+  alone: a kill-and-damage review, 2026-12-07)."""
+
+
+def _json_file(directory: str, doc: str) -> Optional[str]:
+  """The file under `directory` whose text is `doc` (what a JSONDecodeError failed on), if any;
+  only files of that very size are read, and never the array data (ocdbt's d/ folders)."""
+  size = len(doc.encode())
+  for root, dirs, files in os.walk(directory):
+    dirs[:] = sorted(d for d in dirs if d != "d")
+    for name in sorted(files):
+      path = os.path.join(root, name)
+      try:
+        if os.path.getsize(path) == size:
+          with open(path, "rb") as f:
+            if f.read() == doc.encode():
+              return path
+      except OSError:
+        continue
+  return None
+
+
+@contextlib.contextmanager
+def _naming_json_files(directory: str):
+  """Re-raises a JSONDecodeError from reading the checkpoint in `directory` as
+  UnreadableJsonError naming the file first (error_line keeps a line's first 300 characters)."""
+  try:
+    yield
+  except json.JSONDecodeError as e:
+    path = _json_file(directory, e.doc)
+    if path is None:
+      raise
+    raise UnreadableJsonError(f"{path} is not valid JSON ({e})") from e
 
 
 class DamagedCheckpointError(ValueError):
@@ -324,13 +362,16 @@ class Checkpointer:
     self._mngr.reload()
     return dst
 
+  def _step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
   def _aside(self, step: int) -> tuple[str, str]:
     """(checkpoint `step`'s directory, where set_aside moves it: a free name)."""
     dst_dir = os.path.join(self.workdir, "damaged_checkpoints")
     dst, n = os.path.join(dst_dir, str(step)), 1
     while os.path.exists(dst):
       dst, n = os.path.join(dst_dir, f"{step}.{n}"), n + 1
-    return os.path.join(self.directory, str(step)), dst
+    return self._step_dir(step), dst
 
   def set_aside_command(self, step: int) -> str:
     """The shell command that sets checkpoint `step` aside as set_aside would (for a run that
@@ -362,8 +403,9 @@ class Checkpointer:
     """Restores into the structure, shapes, dtypes and shardings of `like`."""
     _CLOSED_LOOP_CALLBACKS.install()  # before: the callbacks come while a failed read unwinds
     abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, like)
-    out = self._mngr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+    with _naming_json_files(self._step_dir(step)):
+      out = self._mngr.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
     verify_meta(step, out["meta"])
     return out["state"], out["meta"]
 
@@ -373,7 +415,8 @@ class Checkpointer:
     although its layout matches is damaged; one whose layout differs was written by another
     configuration or version of the code and must not be set aside as damaged. Raises if the
     metadata itself cannot be read."""
-    tree = self._mngr.item_metadata(step)["state"].tree
+    with _naming_json_files(self._step_dir(step)):
+      tree = self._mngr.item_metadata(step)["state"].tree
     stored = _layout(jax.tree_util.tree_flatten_with_path(
         tree, is_leaf=lambda x: hasattr(x, "shape"))[0])
     want = _layout(jax.tree_util.tree_flatten_with_path(like)[0])
@@ -386,7 +429,8 @@ class Checkpointer:
 
   def restore_meta(self, step: int) -> dict:
     """The JSON side-car of checkpoint `step` alone: no array is read, nothing is built."""
-    out = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    with _naming_json_files(self._step_dir(step)):
+      out = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
     verify_meta(step, out["meta"])
     return out["meta"]
 

@@ -1454,6 +1454,43 @@ def test_an_unreadable_array_is_named_with_its_file_in_the_one_line_error(tmp_pa
   assert len(line) <= 700 and "\n" not in line
 
 
+@pytest.mark.parametrize("name", ["meta/metadata", "state/_METADATA"])
+def test_a_truncated_json_file_is_named_in_the_one_line_error(tmp_path, name, caplog):
+  """A checkpoint's JSON file cut to half its length (the side-car, orbax's array metadata):
+  the read failed with json's bare "JSONDecodeError: Unterminated string starting at: line 1
+  column 35 (char 34)", and the fallback's warning named the step but not the file."""
+  import logging as py_logging
+  from rlhfuse_jax.trainer import hooks
+  caplog.set_level(py_logging.WARNING)
+  state = {"w": jnp.arange(16, dtype=jnp.float32)}
+  ck = checkpointing.Checkpointer(str(tmp_path), keep=3)
+  try:
+    for step in (2, 4):
+      ck.save(step, state, {"iteration": step, "seed": 0, "data": {"position": step}})
+      ck.wait()
+    path = os.path.join(str(tmp_path), "checkpoints", "4", *name.split("/"))
+    os.truncate(path, os.path.getsize(path) // 2)
+    reads = [lambda: ck.restore(4, state)] + (
+        [lambda: ck.restore_meta(4)] if name == "meta/metadata" else
+        [lambda: ck.layout_mismatch(4, state)])
+    for read in reads:
+      with pytest.raises(Exception) as e:
+        read()
+      line = checkpointing.error_line(e.value)
+      assert line.startswith(f"UnreadableJsonError: {path} is not valid JSON ("), line
+      assert "\n" not in line
+  finally:
+    ck.close()
+  if name == "meta/metadata":  # the fallback's warning, as a resume shows it
+    c = hooks.Checkpoints(str(tmp_path), tiny_config(), {})
+    try:
+      assert c.resume_point()[0] == 2
+    finally:
+      c.checkpointer.close()
+    assert f"checkpoint 4 in {tmp_path}" in caplog.text
+    assert f"(UnreadableJsonError: {path} is not valid JSON" in caplog.text
+
+
 def test_the_partial_directory_of_a_killed_save_is_removed(tmp_path):
   """A save killed mid-way leaves <step>.orbax-checkpoint-tmp-*: never a checkpoint, one copy
   of the state per preemption. The next start removes it and keeps the finished checkpoints,
