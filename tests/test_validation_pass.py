@@ -130,5 +130,6 @@ def test_the_set_up_log_names_the_held_out_file(tmp_path, caplog):
   with caplog.at_level(logging.INFO):
     PPOTrainer(cfg, str(tmp_path / "run"), mesh=mesh_lib.make_mesh(
         mesh_lib.MeshConfig(data=4), jax.devices()[:4]))
-  assert (f"setup: 16 training prompts (1 held-out ones from {val} validated every 1 "
-          "iterations), 16 per iteration" in caplog.text), caplog.text
+  assert (f"setup: 16 training prompts (1 held-out one from {val} validated every "
+          "iteration), 16 per iteration: 1 iteration is 1 pass over them" in caplog.text), \
+      caplog.text
