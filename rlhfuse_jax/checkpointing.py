@@ -104,8 +104,10 @@ def checksums(state: Any) -> dict[str, int]:
 
 
 # What orbax appends to an array read's error: the array's TensorStore spec, a multi-line repr
-# whose first line reads "<bound method ...spec of TensorStore({" (cut off there).
-_TENSORSTORE_DETAILS = ". See full TensorStore details"
+# whose first line reads "<bound method ...spec of TensorStore({" (cut off there); and what
+# TensorStore appends to an error opening an array (a checkpoint missing its manifest.ocdbt):
+# its spec as escaped JSON, which filled the 300 characters twice, once per error of the chain.
+_TENSORSTORE_DETAILS = (". See full TensorStore details", " [tensorstore_spec")
 
 
 def error_line(e: BaseException) -> str:
@@ -116,7 +118,9 @@ def error_line(e: BaseException) -> str:
   beneath names the array and the file ("Error reading "w/0" in OCDBT database at local file
   ...: Requested byte range [0, 2552) is not valid for value of size 1000")."""
   def line(x: BaseException) -> str:
-    text = (str(x).splitlines() or [""])[0].split(_TENSORSTORE_DETAILS)[0]
+    text = (str(x).splitlines() or [""])[0]
+    for details in _TENSORSTORE_DETAILS:
+      text = text.split(details)[0]
     return f"{type(x).__name__}: {text[:300]}"
   root, seen = e, {id(e)}
   while root.__cause__ is not None and id(root.__cause__) not in seen:

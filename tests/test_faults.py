@@ -1454,6 +1454,29 @@ def test_an_unreadable_array_is_named_with_its_file_in_the_one_line_error(tmp_pa
   assert len(line) <= 700 and "\n" not in line
 
 
+def test_a_checkpoint_without_its_manifest_is_named_without_tensorstores_spec(tmp_path):
+  """A checkpoint missing state/manifest.ocdbt (as a kill in orbax's in-place delete of an old
+  checkpoint can leave it): TensorStore's error goes on after the file with the array's spec as
+  escaped JSON, "[tensorstore_spec[1]='{\\"base\\":...", which filled the one-line error's 300
+  characters (in a trainer's resume twice: once more for the error it was raised from)."""
+  state = {"a": jnp.arange(4096, dtype=jnp.float32), "b": jnp.ones((64, 64))}
+  ck = checkpointing.Checkpointer(str(tmp_path))
+  try:
+    ck.save(2, state, {"iteration": 2})
+    ck.wait()
+    os.remove(os.path.join(tmp_path, "checkpoints", "2", "state", "manifest.ocdbt"))
+    with pytest.raises(Exception) as e:
+      ck.restore(2, state)
+  finally:
+    ck.close()
+  line = checkpointing.error_line(e.value)
+  assert "tensorstore_spec" not in line, line
+  assert re.search(r'"[ab]/\.zarray"', line), line  # the array
+  assert f'local file "{os.path.join(str(tmp_path), "checkpoints", "2", "state")}' in line, line
+  assert line.endswith("does not exist") or "does not exist (from" in line, line
+  assert "\n" not in line
+
+
 @pytest.mark.parametrize("name", ["meta/metadata", "state/_METADATA"])
 def test_a_truncated_json_file_is_named_in_the_one_line_error(tmp_path, name, caplog):
   """A checkpoint's JSON file cut to half its length (the side-car, orbax's array metadata):
