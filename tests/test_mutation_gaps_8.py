@@ -3,6 +3,7 @@ accumulation of trainer/update.py): each one fails under a plausible bug that th
 fast suite lets through (the audit report names the mutation each kills). They call the
 module's pure functions on hand-sized problems; none trains."""
 import dataclasses
+import json
 import re
 import shutil
 import types
@@ -87,6 +88,27 @@ def test_cached_schedule_is_reused_only_under_the_same_search_settings(tmp_path,
   shutil.copy(other_seed, paths[0])
   assert pipelined.searched_schedule(problem, pipe)[0].problem == problem
   assert searched[-1] == (0, 1.0) and len(searched) == 4
+
+
+def test_a_count_budget_makes_two_fresh_runs_search_the_same_schedule(tmp_path):
+  """pipeline.search_evaluations: the search is cut by evaluations, not by the wall clock, so
+  two fresh runs (separate caches) of the main job's shape (4 stages, critic_pp 2) find the
+  same schedule. By wall clock three fresh searches found three schedules of one makespan with
+  different inbox rings, so each run compiled and rounded another update (docs/usage.md)."""
+  pipe = PipelineConfig(critic_pp=2, actor_microbatches=4, critic_microbatches=2,
+                        search_evaluations=30000)
+  problem = pipelined.pipeline_problem(4, pipe)
+  found = []
+  for run in ("a", "b"):
+    schedule, path = pipelined.searched_schedule(
+        problem, dataclasses.replace(pipe, schedule_cache_dir=str(tmp_path / run)))
+    found.append(schedule.to_dict())
+    assert json.load(open(path))["key"]["search"]["max_evaluations"] == 30000
+  assert found[0] == found[1]
+  for bad in (-1, True, 1.5):
+    with pytest.raises(ValueError, match=re.escape(
+        f"pipeline.search_evaluations={bad!r}") + ".*an integer >= 0"):
+      PipelineConfig(search_evaluations=bad)
 
 
 @pytest.mark.parametrize("overrides, match", [

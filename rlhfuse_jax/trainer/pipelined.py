@@ -253,7 +253,8 @@ def searched_schedule(problem: PipelineProblem, pipeline: PipelineConfig, workdi
   """
   from rlhfuse_jax.pipeline import schedule as schedule_lib
   from rlhfuse_jax.pipeline import search
-  config = search.SearchConfig(time_budget_s=pipeline.search_time_s, seed=pipeline.search_seed)
+  config = search.SearchConfig(time_budget_s=pipeline.search_time_s, seed=pipeline.search_seed,
+                               max_evaluations=pipeline.search_evaluations or None)
   key = _cache_key(problem, config)
   digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
   path = os.path.join(cache_dir(pipeline, workdir), f"{digest}.json")
@@ -270,8 +271,10 @@ def searched_schedule(problem: PipelineProblem, pipeline: PipelineConfig, workdi
       return found, path
     except (ValueError, KeyError, TypeError) as e:
       logging.warning("pipeline: ignoring the cached schedule %s (%s); searching again", path, e)
-  logging.info("pipeline: searching a fused schedule (budget %gs, %s; cached afterwards in %s) "
-               "...", config.time_budget_s, search.KERNELS_NOTE, os.path.dirname(path))
+  budget = (f"{config.time_budget_s:g}s" if config.max_evaluations is None else
+            f"{config.max_evaluations} evaluations")
+  logging.info("pipeline: searching a fused schedule (budget %s, %s; cached afterwards in %s) "
+               "...", budget, search.KERNELS_NOTE, os.path.dirname(path))
   # The kernels first, outside the budget: compiled inside it, a fresh checkout's 2 s search
   # took 34 s and saw 6 start schedules instead of ~600 (schedule_search does the same).
   logging.info("pipeline: search kernels ready in %.1fs (compiled or loaded from cache)",

@@ -419,11 +419,13 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
     if cfg.fusion.intra_stage and pipe.schedule_file:  # its shape, before anything compiles
       pipelined.file_schedule(pipelined.pipeline_problem(mesh.shape["stage"], pipe),
                               pipe.schedule_file)
-      warn_unused(set_fields(cfg, "pipeline", ["search_time_s", "search_seed"]),
+      warn_unused(set_fields(cfg, "pipeline", ["search_time_s", "search_evaluations",
+                                               "search_seed"]),
                   "config.pipeline.schedule_file gives the fused schedule (no search)")
     if not cfg.fusion.intra_stage:
-      warn_unused(set_fields(cfg, "pipeline", ["search_time_s", "search_seed",
-                                               "schedule_cache_dir", "schedule_file"]),
+      warn_unused(set_fields(cfg, "pipeline", ["search_time_s", "search_evaluations",
+                                               "search_seed", "schedule_cache_dir",
+                                               "schedule_file"]),
                   "fusion.intra_stage=False runs serial 1F1B (they give the fused schedule or "
                   "steer its search)")
   else:
