@@ -148,6 +148,12 @@ def duration(seconds: float, short: bool = False) -> str:
   return f"{seconds // 60}m{seconds % 60:02d}s"
 
 
+def count(n: int, one: str, many: str = "") -> str:
+  """'1 iteration', '2 iterations': `n` and its noun, `one` for 1 and otherwise `many` (default
+  `one` + 's'); the log lines read '1 iterations' and '1 held-out ones'."""
+  return f"{n} {one if n == 1 else many or one + 's'}"
+
+
 def size(nbytes: float) -> str:
   """Bytes in the SI unit that reads best, to 3 significant digits: 999 B, 41 kB, 308 kB,
   1.5 GB. A toy model's weights logged in GB read '0.0003075 GB'; a multi-GB figure in MB

@@ -503,7 +503,7 @@ class Checkpoints(Hook):
       # schedule that had none; "16 -> 0" as a return to the first start's horizon, while the
       # LR went on along the 16 iterations' cosine)
       kept = meta.get("schedule_iterations")
-      span = f"{kept} iteration{'' if kept == 1 else 's'}"
+      span = metrics_lib.count(kept, "iteration")
       horizon = ""
       if kept and change.startswith("optim.schedule_iterations: 0 ->"):
         # (the checkpoints', not always the first start's: a resume may have set it since)

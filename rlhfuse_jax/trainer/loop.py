@@ -515,7 +515,7 @@ class PPOTrainer:
     if cfg.data.prompts_file:  # how far num_iterations takes the run through the data
       n, per = len(self.dataset.records), cfg.rollout.prompts_per_iteration
       # (a count of 1 read "1 held-out ones ... every 1 iterations")
-      count = lambda k, one, many: f"{k} {one if k == 1 else many}"  # noqa: E731
+      count = metrics_lib.count
       held = ""
       if held_out is not None:
         # The file named: a preset's val_file kept beside the user's prompts_file (with the
@@ -523,11 +523,11 @@ class PPOTrainer:
         source = f" from {cfg.data.val_file}" if cfg.data.val_file else ""
         when = (": never, eval_every=0" if not cfg.eval_every else " every iteration"
                 if cfg.eval_every == 1 else f" every {cfg.eval_every} iterations")
-        held = f" ({count(len(held_out.records), 'held-out one', 'held-out ones')}{source} " \
+        held = f" ({count(len(held_out.records), 'held-out one')}{source} " \
                f"validated{when})"
       passes = f"{cfg.num_iterations * per / n:.3g}"
       logging.info("setup: %s%s, %d per iteration: %s %s %s over them (each pass in a new "
-                   "seeded order)", count(n, "training prompt", "training prompts"), held, per,
+                   "seeded order)", count(n, "training prompt"), held, per,
                    count(cfg.num_iterations, "iteration is", "iterations are"), passes,
                    "pass" if passes == "1" else "passes")
     self.held_out = (evaluation.HeldOutEval(held_out, cfg.rollout.batch_size, cfg.seed)

@@ -18,6 +18,7 @@ import jax
 import optax
 from absl import logging
 
+from rlhfuse_jax import metrics as metrics_lib
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.pipeline import stages as stages_lib
 from rlhfuse_jax.rl import optim
@@ -189,7 +190,7 @@ def make_update(cfg: TrainConfig, mesh: jax.sharding.Mesh, *, use_critic: bool,
   total = schedule_iterations * updates_per_iter
   warmup = min(cfg.optim.warmup_steps, total - 1)
   if cfg.optim.warmup_steps >= total:
-    count = lambda n, noun: f"{n} {noun}" + ("" if n == 1 else "s")
+    count = metrics_lib.count
     logging.warning("config.optim.warmup_steps=%d covers all %s of the schedule (%s x %s): the "
                     "learning rate rises until the last step and never decays; lower "
                     "optim.warmup_steps or raise optim.schedule_iterations",
