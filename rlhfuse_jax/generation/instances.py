@@ -489,8 +489,7 @@ class GenerationInstance:
     """Copies rows gathered on another instance onto this one (device to device)."""
     return jax.device_put(rows, self.state_sharding)
 
-  def score(self, name: str, params, tokens, prompt_lens, response_lens,
-            inputs: Optional[dict] = None):
+  def score(self, name: str, params, tokens, prompt_lens, response_lens, inputs: dict):
     """One inference micro-batch: tokens [mb, P+T]; returns a device array (not waited on).
     `inputs`: a dict the models of one micro-batch on this instance share, so each input is
     copied here once, by the first model that needs it (`_inputs`)."""
@@ -501,7 +500,7 @@ class GenerationInstance:
     return self._exe[name](*args)
 
   def score_stage(self, name: str, stage: int, params, x, tokens, prompt_lens, response_lens,
-                  inputs: Optional[dict] = None):
+                  inputs: dict):
     """Stage `stage` of one inference micro-batch (inference_pp > 1): from the tokens
     [mb, P+T] (stage 0) or the previous stage's hidden states `x` (on another instance:
     copied here device to device), to hidden states, or at the last stage to the scores.
@@ -517,13 +516,10 @@ class GenerationInstance:
                put("response_lens", response_lens, self.row1))
 
   @staticmethod
-  def _inputs(inputs: Optional[dict]):
+  def _inputs(inputs: dict):
     """put(key, host array, sharding): the array on this instance, copied once per `inputs`
     (every model of a micro-batch reads the same tokens and lengths: one copy each, not one
-    per model); without `inputs`, a copy each call."""
-    if inputs is None:
-      return lambda _, x, sharding: mesh_lib.put(x, sharding)
-
+    per model)."""
     def put(key, x, sharding):
       if key not in inputs:
         inputs[key] = mesh_lib.put(x, sharding)
