@@ -141,15 +141,15 @@ class UnreadableJsonError(ValueError):
 def _json_file(directory: str, doc: str) -> Optional[str]:
   """The file under `directory` whose text is `doc` (what a JSONDecodeError failed on), if any;
   only files of that very size are read, and never the array data (ocdbt's d/ folders)."""
-  size = len(doc.encode())
+  text = doc.encode()
   for root, dirs, files in os.walk(directory):
     dirs[:] = sorted(d for d in dirs if d != "d")
     for name in sorted(files):
       path = os.path.join(root, name)
       try:
-        if os.path.getsize(path) == size:
+        if os.path.getsize(path) == len(text):
           with open(path, "rb") as f:
-            if f.read() == doc.encode():
+            if f.read() == text:
               return path
       except OSError:
         continue
