@@ -17,6 +17,7 @@ from typing import Any, Collection, Mapping, Optional, Sequence
 from rlhfuse_jax.data import rewards as rewards_lib
 from rlhfuse_jax.fields import check as _check
 from rlhfuse_jax.fields import check_int32
+from rlhfuse_jax.fields import MAX_INT
 from rlhfuse_jax.fields import is_int as _is_int
 from rlhfuse_jax.fields import is_number as _is_number
 from rlhfuse_jax.generation import fused as fused_lib
@@ -507,10 +508,9 @@ class PipelineConfig:
     # (the search refused a negative one when the update was built, in the set-up after the
     # workdir was locked, as "seed=-1 must be >= 0")
     _check(self.search_seed >= 0, "pipeline.search_seed", self.search_seed, ">= 0")
-    _check(isinstance(self.search_evaluations, int) and not isinstance(
-        self.search_evaluations, bool) and 0 <= self.search_evaluations <= 2**31 - 1,
-        "pipeline.search_evaluations", self.search_evaluations,
-        "an integer >= 0 (0: the wall-clock budget pipeline.search_time_s) and < 2**31")
+    _check(_is_int(self.search_evaluations) and 0 <= self.search_evaluations <= MAX_INT,
+           "pipeline.search_evaluations", self.search_evaluations,
+           "an integer >= 0 (0: the wall-clock budget pipeline.search_time_s) and < 2**31")
     # (XLA takes 0-3 as an int32 option: 2**70 failed the first update, after the set-up)
     _check(-1 <= self.xla_opt_level <= 3, "pipeline.xla_opt_level", self.xla_opt_level,
            "-1 (XLA's default) or a level 0-3")
