@@ -69,6 +69,12 @@ def run_case(g: int = G, seed: int = 0) -> dict:
                                                    "cross_host_moves", "copied_bytes",
                                                    "cross_host_copied_bytes", "cross_host_s")}
                               for c in res.consolidations]
+    # This process's own instances' figures (it watched only those): what the overlap metrics
+    # must combine over the processes.
+    tl = res.timeline
+    keep["local_overlap"] = [tl.loaded_before_gen_end] + [
+        sum(tl.busy_s(i, ("inference",), until=until) for i in tl.watched)
+        for until in (tl.gen_end_s, None)]
     out[f"{name}/metrics"] = np.asarray(json.dumps(keep))
   # A validation pass's call (trainer/rollout.validation_stage): the reward model alone, the
   # critic's params left out; every process skips the same models.

@@ -472,6 +472,39 @@ def test_instances_loaded_before_generation_ended_count_only_loads_that_ended_in
   assert dataclasses.replace(tl, gen_end_s=1.2).loaded_before_gen_end == 2
 
 
+def test_loaded_count_and_overlap_cover_every_processs_instances():
+  """Several processes: each watches its own instances, while fusion/freed_before_gen_end counts
+  every process's (the shared inference queue). With process 0's figures alone the metrics
+  said "overlap 0%, 2 freed, none loaded" of a batch where process 1's freed instance had
+  loaded and scored during the tail; the overlap sums the seconds of all processes."""
+  from rlhfuse_jax.generation import multihost
+  # Process 0 (instances 0, 1): 1 loads after the tail ended. Process 1 (2, 3): 2 loads in
+  # time and scores 0.6 s of its 0.8 s before the end.
+  p0 = Timeline(num_instances=4, segments=[(0, 0.0, 1.0, "decode"), (1, 0.5, 1.1, "load"),
+                                           (1, 1.1, 1.5, "inference")],
+                unfinished_curve=[], consolidations=[], gen_end_s=1.0, gen_plus_inf_s=1.5,
+                observed=(0, 1))
+  p1 = dataclasses.replace(p0, segments=[(3, 0.0, 1.0, "decode"), (2, 0.2, 0.4, "load"),
+                                         (2, 0.4, 1.2, "inference")], observed=(2, 3))
+  assert (p0.loaded_before_gen_end, p0.inference_overlap_frac) == (0, 0.0)
+  sent = []
+  for me, mine, other in ((0, p0, p1), (1, p1, p0)):
+    ex = multihost.Exchange(timeout_s=60)
+    ex.count, ex.me = 2, me
+
+    def gather(x, me=me, other=other):
+      sent.append(x.dtype)
+      theirs = np.asarray(other.overlap_figures, np.float32)
+      return np.stack([x, theirs] if me == 0 else [theirs, x])
+    ex._host_allgather = gather
+    loaded, overlap = fused.overlap_over_processes(mine, ex)
+    assert loaded == 1 and overlap == pytest.approx(0.6 / 1.2), me
+  assert sent == [np.float32, np.float32]  # (Exchange.allgather refuses 64-bit data)
+  # One process: its own figures, unrounded, and no exchange.
+  one = multihost.Exchange(timeout_s=60)
+  assert fused.overlap_over_processes(p1, one) == (1, p1.inference_overlap_frac) == (1, 0.75)
+
+
 def test_migration_time_leaves_out_the_decoding_between_two_consolidations():
   """gen/migration_s sums each consolidation's copies (first start to last end): consolidations
   at 1 s (copies 1.0-1.5 and 1.2-2.0) and at 10 s (10.0-10.5), decoding in between, took 1.5 s

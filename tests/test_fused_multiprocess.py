@@ -11,6 +11,7 @@ import time
 
 import jax
 import numpy as np
+import pytest
 
 from rlhfuse_jax.generation.multihost import EXIT_PEER_LOST
 from rlhfuse_jax.models import llama
@@ -93,6 +94,17 @@ def test_two_processes_match_one_process_with_cross_host_migration(tmp_path):
           assert c[k] == d[k], (name, k)
       assert [u for _, u in m["gen/unfinished_curve"]] == [
           u for _, u in one["gen/unfinished_curve"]]
+    # The overlap metrics cover every process's instances, as freed_before_gen_end (set by the
+    # tokens) does: each process watched only its own, and process 0's figures alone said
+    # "none loaded" where the other's instances had loaded and scored during the tail.
+    local = [m["local_overlap"] for m in both]  # [process][loaded, before_s, total_s]
+    before, total = (sum(f[k] for f in local) for k in (1, 2))
+    for m in both:
+      assert m["fusion/freed_before_gen_end"] == one["fusion/freed_before_gen_end"], name
+      assert m["fusion/loaded_before_gen_end"] == sum(f[0] for f in local), (name, local)
+      assert m["fusion/loaded_before_gen_end"] <= m["fusion/freed_before_gen_end"], name
+      assert m["fusion/inference_overlap_frac"] == pytest.approx(
+          before / total if total else 0.0, rel=1e-5), (name, local)
     assert one["gen/migrated_samples_cross_host"] == 0  # one process: nothing crosses
     assert both[0]["gen/migrated_samples_cross_host"] == both[1][
         "gen/migrated_samples_cross_host"]

@@ -69,7 +69,7 @@ from rlhfuse_jax.generation import multihost
 from rlhfuse_jax.generation import sampling as sampling_lib
 from rlhfuse_jax.generation.instances import FrozenModels, GenerationInstance
 from rlhfuse_jax.generation.sampling import SamplingConfig
-from rlhfuse_jax.generation.timeline import ActivityLog, Timeline
+from rlhfuse_jax.generation.timeline import ActivityLog, Timeline, combined_overlap
 from rlhfuse_jax.inference import stages as inf_stages
 from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.parallel import mesh as mesh_lib
@@ -1242,14 +1242,32 @@ class _Run:
     if self.models:
       # Why an overlap is 0: instances freed for inference before generation ended (released
       # by the consolidation or done with their samples; set by the tokens, not by timing),
-      # and of this process's, those whose weights were in by then (timing: the loads). Not for
-      # a batch without inference models: it frees none by design, and the progress line said
-      # "no instance freed" of one whose consolidation had released two.
+      # and of those, the ones whose weights were in by then (timing: the loads). Both, and
+      # the overlap, over every process's instances. Not for a batch without inference
+      # models: it frees none by design, and the progress line said "no instance freed" of one
+      # whose consolidation had released two.
+      loaded, overlap = overlap_over_processes(tl, gen.exchange)
+      metrics["fusion/inference_overlap_frac"] = overlap
       metrics["fusion/freed_before_gen_end"] = self.freed_before_end
-      metrics["fusion/loaded_before_gen_end"] = tl.loaded_before_gen_end
+      metrics["fusion/loaded_before_gen_end"] = loaded
     return FusedOutput(rollout=rollout, ref_logp=out.get("reference"), values=out.get("critic"),
                        rewards=out.get("reward"), timeline=tl, consolidations=cons, rt=self.rt,
                        rt_choice=None, no_migration=list(self.reasons), metrics=metrics)
+
+
+def overlap_over_processes(tl: Timeline, exchange: multihost.Exchange) -> tuple:
+  """(instances loaded before generation ended, inference overlap) over every process's
+  instances. Each process watches only its own (`tl.observed`); `freed_before_gen_end` counts
+  all of them (the shared inference queue), so with process 0's figures alone a "5 freed, none
+  loaded" was false of the other processes' instances. With several processes one small
+  all-gather of each process's `Timeline.overlap_figures` (float32 seconds: ample for a
+  ratio), called by every process at the same point of `run`, under the exchanges' peer-loss
+  guard like every other."""
+  figures = [tl.overlap_figures]
+  if exchange.multi:
+    figures = exchange.allgather(np.asarray(figures[0], np.float32),
+                                 "the instances' inference overlap")  # [P, 3]
+  return combined_overlap(figures)
 
 
 def _sequences(prompts, prompt_lens, responses, response_lens, pad_id: int) -> np.ndarray:

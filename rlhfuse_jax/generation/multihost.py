@@ -5,7 +5,8 @@ deal, the rounds, the consolidation plan, which freed instance scores which samp
 by every process from the same global state, so no process ever waits for a plan it cannot
 compute. What makes the state global is `Exchange`: after every decode round the processes
 all-gather their instances' summaries (done, generated, stop: 12 bytes per slot), then the
-tokens and log-probs of the rows that just finished, and at the end the inference results.
+tokens and log-probs of the rows that just finished, and at the end the inference results and
+each process's inference-overlap figures (fused.overlap_over_processes).
 
 Where the exchanges run (`exchange_on`): jax's process_allgather runs a program on every device
 of every process, and an accelerator runs its programs in launch order, so each exchange would

@@ -118,6 +118,17 @@ def _merged_length(spans) -> float:
   return total
 
 
+def combined_overlap(figures) -> tuple:
+  """(instances loaded before generation ended, inference overlap) over the instances of every
+  row of `figures` [P, 3]: one `Timeline.overlap_figures` per process, each of the instances it
+  watched. The overlap is the summed seconds' ratio (0.0 without inference), not a mean of the
+  processes' ratios: a process that scored one short micro-batch weighs what it scored."""
+  loaded = sum(int(round(float(f[0]))) for f in figures)
+  before = sum(float(f[1]) for f in figures)
+  total = sum(float(f[2]) for f in figures)
+  return loaded, (before / total if total > 0 else 0.0)
+
+
 @dataclasses.dataclass
 class Timeline:
   """One generation+inference run as measured (times in seconds from its start)."""
@@ -180,12 +191,7 @@ class Timeline:
   @property
   def inference_overlap_frac(self) -> float:
     """Inference busy time spent before generation ended / all inference busy time."""
-    total = sum(self.busy_s(i, ("inference",)) for i in self.watched)
-    if total <= 0:
-      return 0.0
-    before = sum(self.busy_s(i, ("inference",), until=self.gen_end_s)
-                 for i in self.watched)
-    return before / total
+    return combined_overlap([self.overlap_figures])[1]
 
   @property
   def loaded_before_gen_end(self) -> int:
@@ -195,6 +201,14 @@ class Timeline:
     were freed: docs/architecture.md §2)."""
     return len({i for i, _, e, k in self.segments
                 if k == "load" and e < self.gen_end_s and i in self.watched})
+
+  @property
+  def overlap_figures(self) -> tuple:
+    """(loaded_before_gen_end, inference busy seconds before generation ended, all inference
+    busy seconds) of the watched instances: what `combined_overlap` sums over processes."""
+    before = sum(self.busy_s(i, ("inference",), until=self.gen_end_s) for i in self.watched)
+    total = sum(self.busy_s(i, ("inference",)) for i in self.watched)
+    return (self.loaded_before_gen_end, before, total)
 
   def span_s(self, kind: str) -> float:
     """From the first start to the last end of the segments of one kind (0 if none)."""
