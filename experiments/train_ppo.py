@@ -15,7 +15,8 @@ actor as a Hugging Face checkpoint). A resume whose config differs in a field th
 run is refused, listing the fields. One run per workdir (a lock names the holder).
 
 Exit status: 0 done; 75 stopped by SIGTERM/SIGINT after saving a checkpoint (re-run to resume);
-1 an error (the message names the field, file or iteration); 3 a checkpoint save failed; 69 the
+1 an error (the message names the field, file or iteration); 3 writing the run's progress failed
+(a checkpoint save, or a row of metrics.jsonl or samples.jsonl; e.g. a full disk); 69 the
 run cannot go on, nothing saved since the last checkpoint (re-run to resume): a collective lost
 another process of a multi-process run, or an iteration outlasted guard.iteration_timeout_s
 (docs/usage.md); 130 a second Ctrl-C stopped it without saving (re-run to resume from the last
@@ -51,7 +52,7 @@ from rlhfuse_jax.trainer.loop import EXIT_STOPPED_BY_SIGNAL, PPOTrainer, TIMING_
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd process
 
-EXIT_SAVE_FAILED = 3
+EXIT_SAVE_FAILED = 3  # checkpointing.SaveError: a save, or a metrics row (hooks.LogWriteError)
 
 # What result.json's trained_by (and each checkpoint) keeps of the start that trained each
 # span of iterations: provenance() is the last start's alone, and a finished run re-run (or

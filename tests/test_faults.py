@@ -6,6 +6,7 @@ metrics are written exactly once; one run per workdir; a damaged checkpoint fall
 intact one; a failed save or kill -9 loses nothing; bad inputs name the file and the field.
 """
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -1302,11 +1303,49 @@ def test_a_save_failing_in_the_writes_says_so_in_a_few_lines(tmp_path):
   err = out.stderr
   assert out.returncode == 3, err[-3000:]
   assert "checkpoint save under" in err.splitlines()[-1], err[-3000:]
+  assert err.splitlines()[-1].endswith(  # (its first checkpoint: orbax lists no failed one)
+      "; no checkpoint was saved yet: once the cause is fixed, the same command starts the run "
+      "over"), err[-3000:]
   assert "Event loop is closed" not in err and "Traceback" not in err, err[-3000:]
   assert len(err.splitlines()) < 40, err[-3000:]
   log = open(os.path.join(run, "log.txt")).read()
   assert "Traceback (most recent call last)" in log and f"(traceback: {run}/log.txt)" in err
   assert _steps(run) == [1, 2] and not os.path.isdir(os.path.join(run, "checkpoints", "2"))
+
+
+# (the file, and its fsync at iteration 3: one per row, log_samples=1; TensorBoard's event
+# file syncs once more, at its start)
+@pytest.mark.parametrize("name,fails_at", [("metrics.jsonl", 3), ("samples.jsonl", 3), ("tb", 4)])
+def test_a_full_disk_at_a_log_row_stops_the_run_as_a_failed_save_does(tmp_path, monkeypatch,
+                                                                      name, fails_at):
+  """A full disk at iteration 3's row (its fsync fails: ENOSPC, as written data meets a full
+  disk) ended the run with the bare OSError (train_ppo: exit 1), where one at a checkpoint save
+  ends it with SaveError (exit 3): one fault, two statuses for a scheduler. Now a SaveError too,
+  naming the file (TensorBoard's directory: its writes name none) and the checkpoint the same
+  command resumes from; that resume then writes every row once."""
+  run = str(tmp_path / "run")
+  path = os.path.join(run, name)
+  real, synced = os.fsync, []
+
+  def fsync(fd):
+    target = os.readlink(f"/proc/self/fd/{fd}")
+    if path in (target, os.path.dirname(target)):
+      synced.append(fd)
+      if len(synced) == fails_at:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    real(fd)
+  monkeypatch.setattr(os, "fsync", fsync)
+  cfg = tiny_config(log_samples=1)  # 4 iterations, checkpoints every 2
+  with pytest.raises(checkpointing.SaveError) as e:
+    PPOTrainer(cfg, run).run()
+  assert str(e.value) == (
+      f"writing {path} failed: OSError: [Errno 28] No space left on device; nothing saved "
+      "before is lost: checkpoint 2 and the metrics through it are intact, and the same "
+      "command resumes from it once the cause is fixed")
+  monkeypatch.undo()
+  assert [h["step"] for h in PPOTrainer(cfg, run).run()] == [3, 4]
+  for log in ("metrics.jsonl", "samples.jsonl"):
+    assert [r["step"] for r in wd.read_jsonl(os.path.join(run, log))] == [1, 2, 3, 4]
 
 
 def test_a_failed_last_save_is_raised_unless_another_error_is_leaving(tmp_path):

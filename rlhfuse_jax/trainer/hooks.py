@@ -286,6 +286,27 @@ def warn_missing_rows(path: str, missing: list[int], start: int) -> None:
                     "their metrics stay missing", path, len(missing), start, shown)
 
 
+class LogWriteError(checkpointing.SaveError):
+  """A row of metrics.jsonl or samples.jsonl, or TensorBoard's events, could not be written (a
+  full disk). The run stops as on a failed checkpoint save, a kind of which it is (train_ppo:
+  exit 3, the path and the checkpoint kept in one line): a full disk exited 1 here and 3 at a
+  save, two meanings of one fault for a scheduler. What the checkpoints cover stays: the files
+  are only appended to, and a torn row after the latest checkpoint is dropped at the next start
+  with the other rows that checkpoint does not cover."""
+
+
+@contextlib.contextmanager
+def _writing(path: str):
+  """Re-raises an OSError of a write of the run's log as LogWriteError naming the file (`path`
+  where the error names none: TensorBoard's writes, an fsync)."""
+  try:
+    yield
+  except OSError as e:
+    cause = f"[Errno {e.errno}] {e.strerror}" if e.errno and e.strerror else str(e)
+    raise LogWriteError(f"writing {e.filename or path} failed: {type(e).__name__}: "
+                        f"{cause}") from e
+
+
 class MetricsLog(Hook):
   """metrics.jsonl + TensorBoard events (process 0), and a progress line every log_every.
 
@@ -296,16 +317,19 @@ class MetricsLog(Hook):
                started: Optional[float] = None):
     """`started`: the time the progress line's `elapsed` counts from (default: begin)."""
     self.workdir, self.cfg, self.summary, self.started = workdir, cfg, summary, started
+    self.events = os.path.join(workdir, "tb")  # (what a failed write of TensorBoard's names)
     self.writer: Optional[metrics_lib.MetricWriter] = None
 
   def begin(self, start: int) -> None:
     self.progress = metrics_lib.ProgressReporter(self.cfg.num_iterations, start, self.started)
-    self.writer = metrics_lib.MetricWriter(self.workdir, enabled=jax.process_index() == 0,
-                                           purge_step=start + 1)
-    warn_missing_rows(self.writer.path, self.writer.truncate_after(start), start)
+    with _writing(self.events):
+      self.writer = metrics_lib.MetricWriter(self.workdir, enabled=jax.process_index() == 0,
+                                             purge_step=start + 1)
+      warn_missing_rows(self.writer.path, self.writer.truncate_after(start), start)
 
   def after(self, step: int, metrics: dict, stopping: bool) -> None:
-    self.writer.write(step, metrics)
+    with _writing(self.events):
+      self.writer.write(step, metrics)
     self.progress.tick(step)  # the ETA's pace starts after the first iteration, logged or not
     # (and the iteration a signal stops after: where the run stands, whatever log_every is)
     if step % self.cfg.log_every == 0 or step == self.cfg.num_iterations or stopping:
@@ -315,7 +339,8 @@ class MetricsLog(Hook):
 
   def end(self, failing: bool) -> None:
     if self.writer is not None:
-      self.writer.close()
+      with _writing(self.events):
+        self.writer.close()
 
 
 class SamplesLog(Hook):
@@ -331,13 +356,15 @@ class SamplesLog(Hook):
   def begin(self, start: int) -> None:
     self.enabled = jax.process_index() == 0
     if self.enabled and os.path.exists(self.path):
-      wd.keep_jsonl_through(self.path, start, rows=False)
+      with _writing(self.path):
+        wd.keep_jsonl_through(self.path, start, rows=False)
 
   def after(self, step: int, metrics: dict, stopping: bool) -> None:
     rows = self.take()
     if rows and self.enabled:
-      for row in rows:
-        wd.append_jsonl(self.path, {"step": step, **row})
+      with _writing(self.path):
+        for row in rows:
+          wd.append_jsonl(self.path, {"step": step, **row})
 
 
 # config.json, config.K.json (a start resumed at K), config.K.N.json (its N-th start at K).

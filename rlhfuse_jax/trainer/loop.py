@@ -1384,16 +1384,30 @@ class PPOTrainer:
       else:
         out = self._loop(start, stop_after, keep_history)
     except BaseException as e:
-      # A save into a workdir moved away fails with orbax's long NOT_FOUND: say why, first.
-      moved = (self._moved("the checkpoint save in progress failed")
-               if isinstance(e, checkpointing.SaveError) else None)
-      if moved:
-        e.args = (f"{moved}. ({e})",)
+      if isinstance(e, checkpointing.SaveError):  # a failed save, or write of the metrics
+        # A save into a workdir moved away fails with orbax's long NOT_FOUND: say why, first.
+        moved = self._moved("writing its metrics failed" if isinstance(e, hooks.LogWriteError)
+                            else "the checkpoint save in progress failed")
+        e.args = (f"{moved}. ({e})",) if moved else (f"{e}{self._kept_after_failed_write()}",)
       self.release_lock()
       raise
     if not keep_lock:
       self.release_lock()
     return out
+
+  def _kept_after_failed_write(self) -> str:
+    """What a run stopped by a failed write (a checkpoint save, a metrics row: SaveError) keeps,
+    said after its error: the end hooks have waited for the save before it, so the newest
+    finished checkpoint is the one the same command resumes from."""
+    try:
+      latest = self.checkpoints.checkpointer.latest_step()
+    except Exception:  # noqa: BLE001 (the checkpoints directory itself unreadable: say nothing)
+      return ""
+    if latest is None:
+      return ("; no checkpoint was saved yet: once the cause is fixed, the same command starts "
+              "the run over")
+    return (f"; nothing saved before is lost: checkpoint {latest} and the metrics through it are "
+            "intact, and the same command resumes from it once the cause is fixed")
 
   def _take_samples(self) -> Optional[list]:
     samples, self._samples = self._samples, None
