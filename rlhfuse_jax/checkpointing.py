@@ -298,6 +298,7 @@ class Checkpointer:
 
   def __init__(self, workdir: str, keep: int = 2):
     _use_array_handler()
+    self.keep = keep
     self.workdir = os.path.abspath(workdir)
     self.directory = os.path.join(self.workdir, "checkpoints")
     if os.path.lexists(self.directory) and not os.path.isdir(self.directory):
@@ -354,6 +355,17 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     """Finished checkpoints, newest first."""
     return sorted(self._mngr.all_steps(), reverse=True)
+
+  def trim(self) -> list[int]:
+    """Deletes the finished checkpoints beyond the newest `keep` (orbax keeps no other: no
+    best_fn) and returns their steps, oldest first. Orbax deletes the oldest only after it
+    commits a new one: a process killed between the two leaves keep + 1, which orbax's next
+    save trims (it lists every step on disk), but a start that saves none (a finished run
+    re-run) kept it for good. Every process calls it (orbax's delete waits for all)."""
+    extra = sorted(self.all_steps()[self.keep:])
+    for step in extra:
+      self._mngr.delete(step)
+    return extra
 
   def set_aside(self, step: int) -> str:
     """Moves checkpoint `step` (one that cannot be read) out of the rotation, to

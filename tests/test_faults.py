@@ -1572,6 +1572,27 @@ def test_the_partial_directory_of_a_killed_save_is_removed(tmp_path):
   again.close()
 
 
+def test_a_start_trims_the_checkpoint_a_kill_before_orbaxs_delete_left(tmp_path, caplog):
+  """Orbax deletes the oldest checkpoint after it commits a new one; a SIGKILL between the two
+  leaves checkpoint.keep + 1 (2, 4, 6 with keep=2: the same directories a keep=3 run leaves,
+  and orbax lists them all on the next start). Its next save trims them, but a start that
+  saves none, the finished run re-run, kept the extra one for good (and export_hf's best:
+  chose among it). Every start now keeps the newest `keep`, saying which it removed."""
+  import logging as py_logging
+  caplog.set_level(py_logging.WARNING)
+  run = str(tmp_path)
+  PPOTrainer(tiny_config(**{"num_iterations": 6, "checkpoint.keep": 3}), run).run()
+  ckpts = os.path.join(run, "checkpoints")
+  assert sorted(os.listdir(ckpts)) == ["2", "4", "6"]
+  again = PPOTrainer(tiny_config(**{"num_iterations": 6}), run)  # keep=2
+  assert again.run() == []  # finished: nothing trained, nothing saved
+  assert sorted(os.listdir(ckpts)) == ["4", "6"]
+  assert again.checkpoints.checkpointer.all_steps() == [6, 4]
+  assert (f"{ckpts} held 3 checkpoints, more than checkpoint.keep=2 (a run killed between a "
+          "save and the removal of the oldest, or a lowered keep): removed checkpoint 2"
+          ) in caplog.text
+
+
 def test_two_damaged_checkpoints_in_a_row_stop_instead_of_going_further_back(tmp_path):
   cfg = tiny_config(**{"num_iterations": 6, "checkpoint.keep": 3})
   run = str(tmp_path)

@@ -658,6 +658,19 @@ class Checkpoints(Hook):
               "checksums": checkpointing.checksums(state)}
       self.checkpointer.save(step, state, meta)
 
+  def trim(self) -> None:
+    """Keeps the newest checkpoint.keep checkpoints (checkpointing.Checkpointer.trim), saying
+    which it removed: called once the start's checkpoint is chosen (and restored), so the
+    removed ones are older than it."""
+    held = len(self.checkpointer.all_steps())
+    removed = self.checkpointer.trim()
+    if removed and jax.process_index() == 0:
+      logging.warning("%s held %d checkpoints, more than checkpoint.keep=%d (a run killed "
+                      "between a save and the removal of the oldest, or a lowered keep): "
+                      "removed checkpoint%s %s", self.checkpointer.directory, held,
+                      self.cfg.checkpoint.keep, "s" if len(removed) > 1 else "",
+                      ", ".join(map(str, removed)))
+
   def wait(self) -> None:
     """Blocks until the last save is on disk; raises checkpointing.SaveError if it failed."""
     self.checkpointer.wait()

@@ -1346,6 +1346,7 @@ class PPOTrainer:
     try:
       hooks.agree_setup_signal()  # set-up points every process reaches: a signal stops all
       start = self.finished_at if self.finished_at is not None else self._restore()
+      self.checkpoints.trim()  # (one a kill left beyond checkpoint.keep: older than `start`)
       # The iteration the run's state is at: its result's (metrics.jsonl may lack rows).
       self.trained_to = self._stepped_to = self._start = start
       self._earlier_starts = self._starts_before(start)
