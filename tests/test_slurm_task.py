@@ -38,9 +38,9 @@ def test_a_task_killed_or_aborted_requeues_the_job_within_max_requeues(tmp_path)
   were lost. Each task runs under launch/slurm_task.sh, which exits 69 for it: requeued, at most
   MAX_REQUEUES times (a crash at every start ends the job), a process's own failure beside a
   peer aborted for losing it included, as beside a peer's 69. A clean exit, a config error (2,
-  or 1 from an exception) and a stop after saving (75) keep their meaning; a 75 beside a
-  killed task still requeues without counting. A binary that a stop signal killed (no handler,
-  or a second signal) keeps 128 + the signal, not requeued, as before."""
+  or 1 from an exception), a failed write (3) and a stop after saving (75) keep their meaning;
+  a 75 beside a killed task still requeues without counting. A binary that a stop signal killed
+  (no handler, or a second signal) keeps 128 + the signal, not requeued, as before."""
   body = ("import os, resource, signal, sys\n"
           "how = os.environ['HOW'].split()[int(os.environ['SLURM_PROCID'])]\n"
           "if how in ('ABRT', 'KILL', 'SEGV', 'TERM'):\n"
@@ -51,6 +51,7 @@ def test_a_task_killed_or_aborted_requeues_the_job_within_max_requeues(tmp_path)
   wd.mkdir()
   for how, status, requeued in (
       ("ABRT 69", 69, True), ("0 0", 0, False), ("2 2", 2, False), ("1 1", 1, False),
+      ("3 3", 3, False),  # a failed save or metrics write (a full disk): docs/usage.md
       ("75 KILL", 75, True), ("KILL KILL", 69, True), ("75 75", 75, True),
       ("75 TERM", 143, False), ("1 ABRT", 69, True), ("SEGV ABRT", 69, False)):
     (tmp_path / "calls").write_text("")
