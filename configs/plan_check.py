@@ -99,6 +99,7 @@ def _as_trained(c, t, dp: int, models=None) -> None:
     c.intra_stage = run.fusion.intra_stage
     c.search_time_s = run.pipeline.search_time_s
     c.search_seed = run.pipeline.search_seed
+    c.search_evaluations = run.pipeline.search_evaluations
   c.seq_len = run.data.max_prompt_len + run.rollout.max_new_tokens
   c.response_len = run.rollout.max_new_tokens
   c.remat, c.scan_layers = run.model.remat, run.model.scan_layers
@@ -357,6 +358,9 @@ def get_config(arg: str = "tiny"):
   c.intra_stage = True  # True: the searched fused schedule; False: serial 1F1B
   c.search_time_s = 2.0  # fused-schedule search budget (unit durations; once per run)
   c.search_seed = 0  # its seed (the trainer's pipeline.search_seed)
+  # its budget as a count of evaluations (the trainer's pipeline.search_evaluations; 0:
+  # search_time_s): deterministic for the seed, so the schedule checked is the run's
+  c.search_evaluations = 0
   c.gen_tp = 8  # devices of one generation instance
   c.gen_slots = 54  # batch slots of one generation instance
   c.chunk_size = 64  # decode steps per jitted decode call

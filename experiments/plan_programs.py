@@ -240,6 +240,10 @@ class PlanConfig:
   # values there: async_ppo.staleness 0), whole beside the actor and the reference.
   group_critic: bool = False
   search_seed: int = 0  # the fused-schedule search's seed (the trainer's pipeline.search_seed)
+  # Its budget as a count of evaluations instead of search_time_s (the trainer's
+  # pipeline.search_evaluations; 0: the wall clock): the schedule checked is then the one the run
+  # trains, on any machine
+  search_evaluations: int = 0
   # Whether the run builds a reference model (the trainer's algo.kl_coef > 0: AlgoConfig.
   # uses_reference): the inference program is its log-prob forward; without one the critic's
   # value forward (what an instance still scores; an upper bound where it scores nothing), and
@@ -383,6 +387,7 @@ class PlanConfig:
     _check(isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0, "search_seed",
            seed, "an integer >= 0")
     for name, zero in (("generation_devices", "generation on the training devices"),
+                       ("search_evaluations", "the wall-clock budget search_time_s"),
                        ("critic_microbatch_size", "microbatch_size"),
                        ("layers", "the model's own"), ("migration_rows", "up to gen_slots")):
       config_files.check_int(name, d.get(name, 0), 0, f"0: {zero}")
@@ -452,7 +457,8 @@ class PlanConfig:
         critic_microbatch_size=d.get("critic_microbatch_size", 0),
         generation_devices=d.get("generation_devices", 0),
         group_critic=d.get("group_critic", False),
-        search_seed=d.get("search_seed", 0), reference=d.get("reference", True),
+        search_seed=d.get("search_seed", 0),
+        search_evaluations=d.get("search_evaluations", 0), reference=d.get("reference", True),
         inference_pp=d.get("inference_pp", 1),
         migration_rows=d.get("migration_rows", 8), old_logp=d.get("old_logp", "auto"),
         staleness=d.get("staleness", 0))
@@ -573,7 +579,7 @@ def pipeline_config(cfg: PlanConfig) -> tc.PipelineConfig:
   return tc.PipelineConfig(
       critic_pp=cfg.critic_pp, actor_microbatches=cfg.actor_microbatches,
       critic_microbatches=cfg.critic_microbatches, search_time_s=cfg.search_time_s,
-      search_seed=cfg.search_seed)
+      search_evaluations=cfg.search_evaluations, search_seed=cfg.search_seed)
 
 
 def make_update(cfg: PlanConfig, mesh, tx, workdir: str):
@@ -1343,7 +1349,8 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
                "gradient_sync": cfg.gradient_sync,
                "critic_microbatch_size": cfg.critic_microbatch_size,
                "generation_devices": cfg.generation_devices, "group_critic": cfg.group_critic,
-               "search_seed": cfg.search_seed, "reference": cfg.reference,
+               "search_seed": cfg.search_seed, "search_evaluations": cfg.search_evaluations,
+               "reference": cfg.reference,
                "reward_model": cfg.reward is not None, "old_logp": cfg.old_logp,
                "staleness": cfg.staleness, "actor_logp_pass": cfg.actor_logp_pass,
                "actor_copy_bytes": programs["train_step"]["actor_copy_bytes"],

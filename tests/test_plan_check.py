@@ -900,6 +900,44 @@ def test_pipelined_training_config_compiles_as_its_trainer_runs_it(tmp_path, mon
   assert result["programs"]["decode"]["resident_train_bytes"] == train["argument_bytes"]
 
 
+def test_a_runs_count_budget_certifies_the_schedule_its_trainer_trains(tmp_path, monkeypatch):
+  """--run_config with pipeline.search_evaluations: plan_check searches the fused schedule by the
+  run's count, as the trainer does, so the schedule it compiles and certifies is the one the run
+  trains, on any machine. It searched by search_time_s's wall clock (max_evaluations None in its
+  cache key), which found another schedule than the run's 20000 evaluations (2026-12-07)."""
+  monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from configs import ppo_tiny
+  from rlhfuse_jax.trainer import pipelined
+  from rlhfuse_jax.trainer.config import TrainConfig
+  run = ppo_tiny.get_config("fused")
+  run.pipeline.search_evaluations = 5000
+  c = plan_config.get_config("tiny")
+  plan_config.apply_run(c, run)
+  cfg = plan_programs.PlanConfig.from_config_dict(c)
+  searched = []
+  real = pipelined.searched_schedule
+
+  def spy(problem, pipeline, workdir=""):
+    schedule, path = real(problem, pipeline, workdir)
+    searched.append((schedule, json.load(open(path))["key"]["search"]))
+    return schedule, path
+
+  monkeypatch.setattr(pipelined, "searched_schedule", spy)
+  # plan_check's update (its own workdir: no cache shared with the trainer's search below)
+  plan_programs.make_update(cfg, plan_programs.train_mesh(cfg), plan_programs.make_optimizer(True),
+                            str(tmp_path / "plan_check"))
+  trained = TrainConfig.from_config_dict(run).pipeline
+  trainer = real(pipelined.pipeline_problem(cfg.pp, trained), trained, str(tmp_path / "run"))[0]
+  (certified, key), = searched
+  assert key["max_evaluations"] == 5000 and key["seed"] == trained.search_seed
+  assert certified.problem == trainer.problem
+  assert certified.to_dict() == trainer.to_dict()
+  c.search_evaluations = -1
+  with pytest.raises(ValueError, match=r"^config\.search_evaluations=-1: expected an integer "
+                     r">= 0 \(0: the wall-clock budget search_time_s\)$"):
+    plan_programs.PlanConfig.from_config_dict(c)
+
+
 def test_asynchronous_run_generates_on_its_own_group(tmp_path):
   """async_ppo.generation_devices=4: generation and scoring on the group's data-only mesh (the
   rollout batch split 4 ways, the actor whole on each device beside the reference), none of the
