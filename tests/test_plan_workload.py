@@ -545,3 +545,25 @@ def test_a_plan_checked_without_the_actors_copy_is_warned_of_in_an_asynchronous_
   assert plan_search.workload_record(wl)["actor_copy"] is True
   assert plan_search.workload_record(wl, plan=split)["actor_copy"] is False
   assert plan_search.workload_record(wl, plan={})["actor_copy"] is True
+
+
+@pytest.mark.parametrize("default", [0, 2])
+def test_a_split_without_its_staleness_is_read_with_one_default_by_trainer_and_search(
+    monkeypatch, default):
+  """An "async" entry that states no staleness: the trainer's mapping of the plan file and
+  plan_search's memory rows (whether the training devices hold a copy of the actor) both take
+  policy/async_copies.SPLIT_STALENESS, where each wrote its own literal 1."""
+  from rlhfuse_jax.policy import async_copies
+  from rlhfuse_jax.sim.shapes import get_shape
+  monkeypatch.setattr(async_copies, "SPLIT_STALENESS", default)
+  plan = {"generation": {"mode": "instances", "tp": 1, "pp": 1, "groups": 1, "slots": 0},
+          "inference": {"tp": 1, "pp": 1},
+          "training": {"placement": "colocated", "devices": 4, "tp": 1, "actor_pp": 1,
+                       "critic_pp": 1},
+          "async": {"generation_devices": 4, "training_devices": 4, "colocated": False}}
+  settings = plan_file_lib.plan_file_settings(plan, "plan.json")
+  assert settings["async_ppo", "staleness"] == (default, "async.staleness")
+  # colocated: both groups on the training devices, which hold the copy at any k >= 1
+  wl = iteration_sim.Workload(actor=get_shape("llama-7b"),
+                              critic=get_shape("llama-7b", "scalar"), actor_copy=False)
+  assert plan_search.keeps_actor_copy(wl, {"async": {"colocated": True}}) is (default > 0)

@@ -8,6 +8,13 @@ not hold.
 """
 from __future__ import annotations
 
+# The staleness k of a plan's asynchronous split ("async" of a plan.json, sim/plan_search.py)
+# that does not state its own: plan_search's default k. The trainer's mapping of a plan file
+# (trainer/plan_file.py) and plan_search's memory rows (sim/plan_search.keeps_actor_copy) each
+# wrote the literal 1: changed in one, a hand-written split would have run at one k and been
+# sized for another.
+SPLIT_STALENESS = 1
+
 
 def keeps_actor_copy(staleness: int, generation_devices: int) -> bool:
   """Whether the training devices keep a copy of the actor for each next batch's generation,

@@ -736,7 +736,7 @@ def keeps_actor_copy(wl, plan: dict) -> bool:
   split = plan.get("async")
   if split:
     return async_copies.keeps_actor_copy(
-        split.get("staleness", 1),
+        split.get("staleness", async_copies.SPLIT_STALENESS),
         0 if split.get("colocated", True) else split["generation_devices"])
   return bool(wl.actor_copy)
 

@@ -11,6 +11,7 @@ from typing import Any, Collection, Mapping, Optional
 from rlhfuse_jax import workdir
 from rlhfuse_jax.fields import check as _check
 from rlhfuse_jax.fields import is_int as _is_int
+from rlhfuse_jax.policy import async_copies
 from rlhfuse_jax.sim.shapes import DTYPE_ITEMSIZE, ITEMSIZE_DTYPES
 from rlhfuse_jax.trainer import inputs as inputs_lib
 
@@ -179,7 +180,8 @@ def plan_file_settings(plan: Mapping[str, Any], path: str) -> dict[tuple[str, st
                      "false; expected an integer >= 1 (the devices of the split's generation "
                      "group; a synchronous plan has no \"async\" entry)")
   if not colocated:
-    out["async_ppo", "staleness"] = (a.get("staleness", 1), "async.staleness")
+    out["async_ppo", "staleness"] = (a.get("staleness", async_copies.SPLIT_STALENESS),
+                                     "async.staleness")
     out["async_ppo", "generation_devices"] = (gen_devices, "async.generation_devices")
   return out
 
