@@ -1188,6 +1188,58 @@ def test_a_generation_groups_pipeline_keeps_the_reference_on_its_inference_mesh(
       plan_programs._nbytes(llama.param_shapes(cfg.model)), rel=0.01)
 
 
+def test_a_generation_groups_pipeline_of_tp1_holds_new_layers_and_the_groups_ends(tmp_path):
+  """A generation group's pipeline (plan.generation='pipeline', tp 1, a stage a device: the plan
+  the trainer runs there) placed from the group's whole actor: jax hands every stage the
+  group's own buffers of the embedding and LM head (replicated on each stage), while its layers,
+  stacked per stage, are new buffers beside the group's. plan_search's generation row counted
+  the whole actor over pp beside the group's copy (the embedding and head twice); it now counts
+  the stage's layers, measured here from the trainer's buffers, beside the whole actor."""
+  from rlhfuse_jax.sim import iteration_sim as it
+  from rlhfuse_jax.sim import plan_search as ps
+  from rlhfuse_jax.trainer.config import TrainConfig
+  from rlhfuse_jax.trainer.loop import PPOTrainer
+  run = _async_run(**{"async_ppo.generation_devices": 4, "plan.generation": "pipeline",
+                      "plan.generation_pp": 4})
+  run.model.num_layers = 4
+  cfg = TrainConfig.from_config_dict(run)
+  trainer = PPOTrainer(cfg, str(tmp_path))
+  snapshot = trainer._snapshot()("actor")
+  group = {(s.device, s.data.unsafe_buffer_pointer()) for x in jax.tree.leaves(snapshot)
+           for s in x.addressable_shards}
+  staged = trainer.rollout.pipe.place(snapshot)
+  new, shared = {}, {}  # {(device, part): bytes} of the stages' tree
+  for part in ("embed", "layers", "head"):
+    for x in jax.tree.leaves(staged[part]):
+      for s in x.addressable_shards:
+        mine = (s.device, s.data.unsafe_buffer_pointer()) not in group
+        into = new if mine else shared
+        into[s.device, part] = into.get((s.device, part), 0) + s.data.nbytes
+  stages = set(trainer.gen_mesh.devices.flat)
+  assert {d for d, _ in new} == {d for d, _ in shared} == stages
+  assert {part for _, part in new} == {"layers"}  # the ends are all the group's
+  assert {part for _, part in shared} == {"embed", "head"}
+  layers = set(new.values())
+  assert len(layers) == 1 and len(set(shared.values())) <= 2
+  plan = {"generation": {"mode": "pipeline", "tp": 1, "pp": 4, "groups": 4, "slots": 16},
+          "inference": {"tp": 1, "pp": 1},
+          "training": {"placement": "colocated", "devices": 4, "tp": 1, "actor_pp": 1,
+                       "critic_pp": 1},
+          "async": {"generation_devices": 4, "training_devices": 4, "staleness": 1,
+                    "colocated": False}}
+  # (the run's resolved config: the tokenizer's vocabulary, as the trainer's arrays have it)
+  gen = ps.plan_memory(ps.CostModel(hardware.get_hardware("h100_sxm")),
+                       _tiny_workload(trainer.cfg), it.SimOptions(trainer_runnable=True),
+                       plan)[0]
+  # (the final norm, 256 bytes, counts with the layers there)
+  assert gen["parts"]["weights"] == pytest.approx(layers.pop(), rel=2e-3)
+  whole = {}
+  for x in jax.tree.leaves(snapshot):
+    for s in x.addressable_shards:
+      whole[s.device] = whole.get(s.device, 0) + s.data.nbytes
+  assert gen["parts"][ps.GROUP_ACTOR] == pytest.approx(whole.popitem()[1], rel=1e-3)
+
+
 def _reference_bytes_by_device(trainer) -> dict:
   """{device: bytes of the trainer's reference model's shards on it}."""
   held = {}

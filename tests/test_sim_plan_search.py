@@ -1532,8 +1532,9 @@ def test_an_instance_of_tp1_on_a_generation_group_counts_the_whole_actor_once():
   group's own buffers (tests/test_plan_check.py measures it from the trainer's arrays): its
   generation row counted the actor twice, as the instance's weights and as the group's whole
   actor (a safe over-count, 60.6 GiB too much for 33B). Once now: the row is the whole actor,
-  the KV cache and the transient; at tp 2, and on a pipeline, the layout's own copy is new
-  buffers beside the group's, and without a group the weights are the instance's."""
+  the KV cache and the transient; at tp 2 the layout's own copy is new buffers beside the
+  group's, on a pipeline its layers only (the stages hold the group's embedding and head:
+  tests/test_plan_check.py), and without a group the weights are the instance's."""
   a = get_shape("llama-33b")
   wl = it.Workload(actor=a, critic=a.as_critic(), num_devices=64, global_batch=128,
                    minibatch=64)
@@ -1556,7 +1557,8 @@ def test_an_instance_of_tp1_on_a_generation_group_counts_the_whole_actor_once():
   two = ps.plan_memory(COST, wl, opt, plan(2))[0]["parts"]
   assert (two["weights"], two[ps.GROUP_ACTOR]) == (a.weight_bytes() / 2, a.weight_bytes())
   pipe = ps.plan_memory(COST, wl, opt, plan(1, "pipeline"))[0]["parts"]
-  assert (pipe["weights"], pipe[ps.GROUP_ACTOR]) == (a.weight_bytes(), a.weight_bytes())
+  layers = (a.num_params() - 2 * a.vocab_size * a.hidden_size) * a.weight_itemsize
+  assert (pipe["weights"], pipe[ps.GROUP_ACTOR]) == (layers, a.weight_bytes())
   alone = ps.plan_memory(COST, wl, opt, plan(1, split=False))[0]["parts"]
   assert alone["weights"] == a.weight_bytes() and ps.GROUP_ACTOR not in alone
 

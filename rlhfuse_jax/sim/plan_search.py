@@ -87,7 +87,7 @@ from rlhfuse_jax.sim import training_sim as train_lib
 from rlhfuse_jax.sim.cost_model import (GIB, LOGITS_COPIES_SCORING, CostModel, crossing_share,
                                         stage_cost)
 from rlhfuse_jax.sim.lengths import summarize
-from rlhfuse_jax.sim.shapes import ModelShape, stage_shape
+from rlhfuse_jax.sim.shapes import ModelShape, end_params, stage_shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -895,6 +895,16 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
   shared = (group and gen["mode"] == "instances" and
             async_copies.shares_group_buffers(gen["tp"]))
   weights = {} if shared else {"weights": a.weight_bytes() / copy}
+  if group and gen["mode"] == "pipeline" and gen["tp"] == 1:
+    # The trainer's pipeline (generation/pipelined.PipelinedGenerator.place) of tp 1 placed from
+    # the group's whole actor: the embedding and LM head, replicated on every stage, are the
+    # group's own buffers; the layers, stacked per stage (llama.stage_stack), new ones, L/pp a
+    # stage. Measured 2026-12-07 (jax 0.10.2, 8 CPU devices, buffer pointers; ppo_tiny's actor
+    # on a group of 4): at 2 layers, pp 1 and 2, all 11,520 bytes a stage of embedding and head
+    # the group's, none of its 295,936 / pp of layers; at 4 layers, pp 4, the same
+    # (tests/test_plan_check.py). Until then the embedding and head were counted again over pp.
+    embed, head = end_params(a)
+    weights = {"weights": (a.num_params() - embed - head) * a.weight_itemsize / gen["pp"]}
   rows = [{"stage": "generation", "layout": GenerationPlan(**gen).describe(),
            "parts": {**weights, "KV cache": per * slot_kv,
                      **transient, **kept_parts, **kept_state, **group_part}},

@@ -164,6 +164,14 @@ def stage_shape(shape: ModelShape, pp: int) -> ModelShape:
                              vocab_size=max(1, shape.vocab_size // pp))
 
 
+def end_params(shape: ModelShape) -> tuple[int, int]:
+  """(embedding, LM head) parameters of `shape`: the head's 0 for a scalar head or one tied to
+  the embedding; the final norm counts with the layers."""
+  embed = shape.vocab_size * shape.hidden_size
+  untied = shape.head == "lm" and not shape.tie_embeddings
+  return embed, embed if untied else 0
+
+
 def heaviest_stage_weight_bytes(shapes, pp: int) -> float:
   """Bytes of weights on the heaviest of pp pipeline stages that run `shapes` one after the
   other (the inference's frozen models): each stage holds 1/pp of every model's layers; the
@@ -175,9 +183,8 @@ def heaviest_stage_weight_bytes(shapes, pp: int) -> float:
     return float(sum(s.weight_bytes() for s in shapes))
   first = last = 0.0
   for s in shapes:
-    embed = s.vocab_size * s.hidden_size
+    embed, untied = end_params(s)
     lm = s.vocab_size * s.hidden_size if s.head == "lm" else 0
-    untied = 0 if (s.tie_embeddings and s.head == "lm") else lm
     body = s.num_params() - embed - untied  # layers, final norm, a scalar head
     first += (body / pp + embed) * s.weight_itemsize
     last += (body / pp + lm) * s.weight_itemsize
