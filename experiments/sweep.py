@@ -295,11 +295,13 @@ def check_values(config_path: str, runs: Sequence[tuple[int, str, dict]],
 def check_train_configs(runs: Sequence[tuple[int, str, dict]], configs: dict[str, dict],
                         passthrough: Sequence[str]) -> dict[str, Any]:
   """Each train_ppo run's config checked as train_ppo checks it as it starts
-  (TrainConfig.from_config_dict of check_values' config, `given` the fields its command sets):
-  a ValueError naming the run and the field before any run starts, where
-  `algo.minibatch_size=5` failed its run after the earlier runs had trained. No jax device is
-  touched; what train_ppo checks against the devices, the reward functions and the checkpoints
-  it still checks at its start. Returns {run name: TrainConfig}."""
+  (TrainConfig.from_config_dict of check_values' config, `given` the fields its command sets,
+  and its reward functions resolved, build.check_reward_functions): a ValueError naming the run
+  and the field before any run starts, where `algo.minibatch_size=5`, or a reward.function
+  misspelt, failed its run after the earlier runs had trained. No jax device is touched; what
+  train_ppo checks against the devices and the checkpoints it still checks at its start.
+  Returns {run name: TrainConfig}."""
+  from rlhfuse_jax.trainer import build  # pylint: disable=import-outside-toplevel
   from rlhfuse_jax.trainer.config import TrainConfig  # pylint: disable=import-outside-toplevel
   flagged = [flag_field(arg)[0] for arg in passthrough]
   out = {}
@@ -309,6 +311,7 @@ def check_train_configs(runs: Sequence[tuple[int, str, dict]], configs: dict[str
     given = set(flagged) | {k for k in entry if k != "name"}
     try:
       out[name] = TrainConfig.from_config_dict(configs[name], given=given)
+      build.check_reward_functions(out[name])
     except ValueError as e:
       raise ValueError(f"get_sweep()[{i}] ({name}): {e}") from None
   return out

@@ -1,5 +1,6 @@
-"""Every configs/*.py parses into the typed config of its binary, in every variant it documents,
-and every get_sweep() entry overrides fields that exist (and still parses).
+"""Every configs/*.py parses into the typed config of its binary, in every variant it documents
+(train_ppo's with its reward functions resolved), and every get_sweep() entry overrides fields
+that exist (and still parses).
 
 A config's binary is the `python -m experiments.NAME --config=configs/THIS.py` of its docstring;
 its variants are the `configs/THIS.py:VARIANT` it names. Binaries that take the ConfigDict as it
@@ -19,15 +20,25 @@ from rlhfuse_jax.perf.bench_config import BenchDecodeConfig
 from rlhfuse_jax.pipeline.graph import PipelineProblem
 from rlhfuse_jax.sim import shapes as sim_shapes
 from rlhfuse_jax.sim.ablations import AblationConfig
+from rlhfuse_jax.trainer import build
 from rlhfuse_jax.trainer.config import TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
                if not p.endswith("__init__.py"))
 
+
+def _train_config(c):
+  """train_ppo's checks of its --config that need no device: the typed config, and its reward
+  functions resolved (by name or import path), which it refuses only as it starts."""
+  cfg = TrainConfig.from_config_dict(c)
+  build.check_reward_functions(cfg)
+  return cfg
+
+
 # binary -> the typed conversion it applies to its --config
 PARSERS = {
-    "train_ppo": TrainConfig.from_config_dict,
+    "train_ppo": _train_config,
     "bench_decode": BenchDecodeConfig.from_config_dict,
     "reproduce_ablations": AblationConfig.from_config_dict,
     "schedule_search": PipelineProblem.from_config,

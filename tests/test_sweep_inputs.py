@@ -832,6 +832,19 @@ def test_a_train_ppo_runs_invalid_config_fails_the_sweep_before_any_run(tmp_path
   assert not (tmp_path / "sw" / "a").exists()
 
 
+def test_a_train_ppo_runs_unknown_reward_function_fails_the_sweep_before_any_run(tmp_path):
+  """reward.function='target_mach' (misspelt) passed the sweep's check of each run's config,
+  which train_ppo refuses only as that run starts, after the earlier runs had trained: the
+  sweep resolves every run's reward functions as train_ppo does at its start."""
+  config = _tiny_train_sweep(tmp_path, "[{'name': 'a', 'seed': 0}, "
+                                       "{'name': 'b', 'reward.function': 'target_mach'}]")
+  proc = _dry_run_sweep(config, tmp_path)
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert ("get_sweep()[1] (b): config.reward.function='target_mach': unknown reward function "
+          "'target_mach'; known: [") in proc.stderr, proc.stderr[-3000:]
+  assert "a: python" not in proc.stderr  # refused before any run's command
+
+
 def test_a_finished_sweep_re_run_with_a_changed_value_is_refused_before_any_run(tmp_path):
   """A finished train_ppo sweep re-run with another optim.actor_lr launched every run, each
   failed ("add --config.checkpoint.resume_changes=..."), and the failed rows replaced the
