@@ -14,6 +14,9 @@ made by configs/data/make_tiny_example.py. The model is random: its reward stays
 
 `configs/ppo_hf.py:reward_model`: a reward model scores the responses instead of the verifier
 (no answers, no format term, no held-out set); give it with --config.reward.model_checkpoint.
+The other variants take `_reward_model` as a suffix to the same effect:
+`configs/ppo_hf.py:grpo_reward_model`, `configs/ppo_hf.py:ppo_gpu_reward_model`,
+`configs/ppo_hf.py:grpo_gpu_reward_model`.
 
 `configs/ppo_hf.py:ppo_gpu` and `configs/ppo_hf.py:grpo_gpu`: the same run at the size of a
 ~1B model on one 8-GPU host (bf16, fsdp=8, 512-token prompts, 1024 new tokens, fine-tuning
@@ -26,6 +29,7 @@ from rlhfuse_jax.trainer import config as config_lib
 
 MODEL_DIR = "configs/data/tiny_llama3_chat"  # relative to the repository root, where runs start
 DATA_DIR = "configs/data/tiny_gsm8k"
+REWARD_MODEL_SUFFIX = "_reward_model"
 
 
 def get_config(arg: str = "ppo"):
@@ -75,13 +79,13 @@ def get_config(arg: str = "ppo"):
   c.checkpoint.every = 25
   c.checkpoint.export_hf = "auto"  # the checkpoint's own family: llama
 
-  if arg == "reward_model":
-    _reward_model(c)
-    return c
-  algo, _, size = arg.partition("_")
+  # 'reward_model' is PPO's; '_reward_model' after any other variant clears its verifier too.
+  base = "ppo" if arg == "reward_model" else arg.removesuffix(REWARD_MODEL_SUFFIX)
+  algo, _, size = base.partition("_")
   if algo not in ("ppo", "grpo") or size not in ("", "gpu"):
     raise ValueError(f"configs/ppo_hf.py: unknown variant {arg!r}; expected 'ppo', 'grpo', "
-                     "'ppo_gpu', 'grpo_gpu' or 'reward_model'")
+                     "'ppo_gpu', 'grpo_gpu' or 'reward_model', or one of the others followed "
+                     f"by {REWARD_MODEL_SUFFIX!r} ('grpo_gpu_reward_model')")
   if algo == "grpo":
     c.algo.estimator = "grpo"
     c.rollout.prompts_per_iteration = 4
@@ -91,6 +95,8 @@ def get_config(arg: str = "ppo"):
     c.init.critic_checkpoint = ""  # no critic to initialise (validate warns about one set)
   if size == "gpu":
     _gpu(c, grpo=algo == "grpo")
+  if base != arg:  # last: it clears what the size set too (the GPU run's held-out set)
+    _reward_model(c)
   return c
 
 

@@ -48,7 +48,8 @@ PARSERS = {
 
 # (config, variant) -> the field a user must give it (the variant leaves it empty, refused by
 # name) and a value to parse the rest with
-NEEDS = {("ppo_hf", "reward_model"): ("reward.model_checkpoint", "/models/my-rm")}
+NEEDS = {("ppo_hf", v): ("reward.model_checkpoint", "/models/my-rm") for v in (
+    "reward_model", "grpo_reward_model", "ppo_gpu_reward_model", "grpo_gpu_reward_model")}
 
 
 def _module(name):

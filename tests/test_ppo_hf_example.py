@@ -448,13 +448,69 @@ def test_the_example_maker_refuses_an_option_for_its_output_directory(tmp_path):
   assert os.listdir(tmp_path) == []
 
 
+def _reward_model_checkpoint(rm):
+  """A reward model at `rm`: the example's model with a score head (its embedding's row 3)."""
+  import shutil
+  shutil.copytree(os.path.join(DATA, "tiny_llama3_chat"), rm)
+  with open(rm / "config.json") as f:
+    hf = json.load(f)
+  hf["architectures"] = ["LlamaForSequenceClassification"]
+  (rm / "config.json").write_text(json.dumps(hf))
+  weights = _tensors(str(rm))
+  weights["score.weight"] = weights["model.embed_tokens.weight"][3:4].copy()  # [1, hidden]
+  safetensors.numpy.save_file(weights, str(rm / "model.safetensors"))
+  return rm
+
+
+def _flat(d, prefix=""):
+  out = {}
+  for k, v in d.items():
+    out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+  return out
+
+
+# What configs/ppo_hf.py's reward-model forms set back to their defaults beside a reward model
+# (given by the user) and no verifier (reward.function=''): the format term, the answer column
+# and the held-out set.
+REWARD_MODEL_FIELDS = ("reward.format", "reward.format_weight", "data.answer_key",
+                       "data.val_file", "data.val_max_prompts", "eval_every")
+
+
+@pytest.mark.parametrize("base", ["ppo", "grpo", "ppo_gpu", "grpo_gpu"])
+def test_every_example_variant_has_a_reward_model_form(base, tmp_path, caplog):
+  """configs/ppo_hf.py:<variant>_reward_model (reward_model for ppo): the variant, GPU size or
+  GRPO alike, with the verifier's fields cleared as :reward_model clears PPO's (a user of
+  grpo_gpu with a reward model spelled seven flags by hand), every other field the variant's
+  own; with the reward model given it validates on 8 devices warning of no field unused (the GPU
+  sizes' context shrunk to the tiny model's 256 positions)."""
+  import logging
+  from rlhfuse_jax.trainer import config as config_lib
+  name = "reward_model" if base == "ppo" else f"{base}_reward_model"
+  plain, c = _flat(ppo_hf.get_config(base).to_dict()), ppo_hf.get_config(name)
+  got, defaults = _flat(c.to_dict()), _flat(config_lib.defaults())
+  want = {**plain, **{k: defaults[k] for k in REWARD_MODEL_FIELDS}, "reward.kind": "model",
+          "reward.function": "", "reward.model_checkpoint": ""}
+  assert got == want, {k: (got[k], want[k]) for k in got if got[k] != want[k]}
+  assert plain["reward.format"] and plain["eval_every"]  # what there was to clear
+  c.reward.model_checkpoint = str(_reward_model_checkpoint(tmp_path / "rm"))
+  if base.endswith("_gpu"):
+    c.data.max_prompt_len, c.rollout.max_new_tokens = 80, 32
+    c.model.max_seq_len = c.critic_model.max_seq_len = 128
+  cfg = TrainConfig.from_config_dict(c)
+  assert cfg.mesh.fsdp == (8 if base.endswith("_gpu") else 1)
+  assert cfg.algo.estimator == ("grpo" if base.startswith("grpo") else "gae")
+  _, tokenizer = build.build_task_and_tokenizer(cfg)
+  with caplog.at_level(logging.WARNING):
+    validate(build.resolve_config(cfg, tokenizer), mesh_lib.make_mesh(cfg.mesh))
+  assert "not used" not in caplog.text, caplog.text
+
+
 def test_the_reward_model_variant_clears_the_verifier_and_needs_a_checkpoint(tmp_path):
   """configs/ppo_hf.py:reward_model (docs/own_model.md's reward-model command): no verifier,
   format term, answer column or held-out file left from the example, the reward model's path
   required by name; with a reward model (the example's model with a score head) the binary
   starts and trains 1 iteration warning of no field left unused. (A subprocess: the binary
   defines absl flags.)"""
-  import shutil
   import subprocess
   import sys
   from tests.xla_env import subprocess_env
@@ -465,15 +521,7 @@ def test_the_reward_model_variant_clears_the_verifier_and_needs_a_checkpoint(tmp
   with pytest.raises(ValueError, match=r"^config\.reward\.model_checkpoint='': expected a "
                                        r"checkpoint directory when reward\.kind='model'"):
     TrainConfig.from_config_dict(c)
-  rm = tmp_path / "rm"
-  shutil.copytree(os.path.join(DATA, "tiny_llama3_chat"), rm)
-  with open(rm / "config.json") as f:
-    hf = json.load(f)
-  hf["architectures"] = ["LlamaForSequenceClassification"]
-  (rm / "config.json").write_text(json.dumps(hf))
-  weights = _tensors(str(rm))
-  weights["score.weight"] = weights["model.embed_tokens.weight"][3:4].copy()  # [1, hidden]
-  safetensors.numpy.save_file(weights, str(rm / "model.safetensors"))
+  rm = _reward_model_checkpoint(tmp_path / "rm")
   wd = tmp_path / "run"
   out = subprocess.run(
       [sys.executable, "-m", "experiments.train_ppo", "--config=configs/ppo_hf.py:reward_model",
