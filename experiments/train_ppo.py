@@ -315,7 +315,7 @@ def _start_and_train(run_log: runner.RunLog) -> tuple[TrainConfig, PPOTrainer]:
     # runs collectives too (fused generation's first exchange, Exchange.warm_up, waits for
     # every process's compiles), and a peer lost there exited 1 or, on process 0, was aborted
     # by jax (134) during its grace before exiting, where the same loss mid-run exits 69.
-    trainer = PPOTrainer(cfg, workdir, on_locked=lambda: logging.info(
+    trainer = PPOTrainer(cfg, workdir, given=overrides, on_locked=lambda: logging.info(
         "log: %s", run_log.keep_in(workdir, jax.process_index()) or "kept by the caller"))
     # The lock stays held while result.json is written: another start on this workdir in
     # between could change metrics.jsonl while it is summarised.

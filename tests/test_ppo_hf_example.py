@@ -505,6 +505,32 @@ def test_every_example_variant_has_a_reward_model_form(base, tmp_path, caplog):
   assert "not used" not in caplog.text, caplog.text
 
 
+def test_the_binary_warns_of_a_format_weight_only_where_its_command_line_set_it(tmp_path):
+  """--config.reward.format='' on configs/ppo_hf.py was warned of as leaving the preset's
+  config.reward.format_weight=0.1 unused: train_ppo tells validate which fields its flags set.
+  A weight given on the command line beside no format is still warned of. (Subprocesses, each
+  stopped after validate by the actor's unreadable weights, read after it.)"""
+  import shutil
+  import subprocess
+  import sys
+  from tests.xla_env import subprocess_env
+  actor = tmp_path / "actor"
+  shutil.copytree(os.path.join(DATA, "tiny_llama3_chat"), actor)
+  (actor / "model.safetensors").write_bytes(b"not safetensors")
+  for flags, said in (([], None), (["--config.reward.format_weight=0.2"], "0.2")):
+    out = subprocess.run(
+        [sys.executable, "-m", "experiments.train_ppo", "--config=configs/ppo_hf.py",
+         f"--workdir={tmp_path / 'run'}", "--config.reward.format=",
+         f"--config.init.actor_checkpoint={actor}", *flags],
+        cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 1 and "not a readable safetensors file" in out.stderr, (
+        out.stderr[-3000:])
+    assert "setup: prompts" in out.stderr, out.stderr[-3000:]  # (validate passed)
+    warning = (f"config.reward.format_weight={said} not used: no reward.format to weigh"
+               if said else "format_weight")
+    assert (warning in out.stderr) == bool(said), out.stderr[-3000:]
+
+
 def test_the_reward_model_variant_clears_the_verifier_and_needs_a_checkpoint(tmp_path):
   """configs/ppo_hf.py:reward_model (docs/own_model.md's reward-model command): no verifier,
   format term, answer column or held-out file left from the example, the reward model's path

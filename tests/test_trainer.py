@@ -896,14 +896,16 @@ def test_the_update_steps_each_model_at_its_own_rate_on_the_schedule():
   np.testing.assert_allclose(upd.actor_lr(jnp.arange(7, 9)), [peak, end], rtol=1e-5)
 
 
-def _validate_warnings(caplog, overrides: dict, mesh_cfg=mesh_lib.MeshConfig(data=8)) -> str:
-  """The WARNING lines validate() logs for tiny_config(**overrides) on a mesh of `mesh_cfg`."""
+def _validate_warnings(caplog, overrides: dict, mesh_cfg=mesh_lib.MeshConfig(data=8),
+                       given=()) -> str:
+  """The WARNING lines validate() logs for tiny_config(**overrides) on a mesh of `mesh_cfg`,
+  the command line having set the fields `given`."""
   from rlhfuse_jax.trainer.validate import validate
   cfg = tiny_config(**overrides)
   _, tokenizer = build.build_task_and_tokenizer(cfg)
   caplog.clear()
   with caplog.at_level(logging.WARNING):
-    validate(build.resolve_config(cfg, tokenizer), mesh_lib.make_mesh(mesh_cfg))
+    validate(build.resolve_config(cfg, tokenizer), mesh_lib.make_mesh(mesh_cfg), given=given)
   return caplog.text
 
 
@@ -1007,6 +1009,23 @@ def test_fusion_and_reward_fields_a_run_does_not_read_are_warned_about(caplog, o
     assert warned in text, text
   else:
     assert "not used" not in text, text
+
+
+def test_a_format_weight_the_command_line_left_without_its_format_is_not_warned_of(caplog):
+  """configs/ppo_hf.py sets reward.format_weight=0.1 beside its gsm8k_format: clearing the
+  format with --config.reward.format='' was warned of as leaving config.reward.format_weight=0.1
+  unused, a value the user never set. A weight the command line sets without a format, or a
+  config file's weight beside no format of its own, still is."""
+  said = "config.reward.format_weight=0.1 not used: no reward.format to weigh"
+  for given, warned in (((), True), (("reward.format",), False),
+                        (("reward.format", "reward.format_weight"), True),
+                        (("reward.format_weight",), True), (("seed",), True)):
+    text = _validate_warnings(caplog, {"reward.format_weight": 0.1}, given=given)
+    assert (said in text) == warned, (given, text)
+  # A format kept: its weight is used whatever the command line set.
+  text = _validate_warnings(caplog, {"reward.format": "boxed_format",
+                                     "reward.format_weight": 0.1}, given=("reward.format",))
+  assert "not used" not in text, text
 
 
 def test_a_discount_an_estimator_does_not_take_is_warned_about(caplog, monkeypatch):

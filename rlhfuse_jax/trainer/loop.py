@@ -25,7 +25,7 @@ import dataclasses
 import functools
 import os
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Collection, Optional
 
 import jax
 import jax.numpy as jnp
@@ -183,13 +183,15 @@ class PPOTrainer:
 
   def __init__(self, cfg: TrainConfig, workdir: str, mesh: Optional[jax.sharding.Mesh] = None,
                on_locked: Optional[Callable[[], Any]] = None,
-               export_step: Optional[int] = None):
+               export_step: Optional[int] = None, given: Collection[str] = ()):
     """on_locked: called once the workdir is this run's (locked, the same on every process),
     before the set-up reads it (train_ppo starts WORKDIR/log.txt there). export_step: build the
     run to export its kept checkpoint of that iteration (export_checkpoint), not to train: no
     resume point is read or checked, no prompt is loaded or tokenised, nothing of the run is
-    written."""
+    written. given: the fields the command line set (train_ppo's --config.* flags), for
+    validate's warnings."""
     self._export_step = export_step
+    self._given = tuple(given)
     self._export_inputs: dict = {}  # the exported checkpoint's input fingerprints
     # What the caller records of this start (its code and machine: train_ppo gives runner's
     # provenance), kept in each checkpoint's side-car as the last entry of `trained_by`.
@@ -442,7 +444,8 @@ class PPOTrainer:
     """Raises for a config the meshes cannot run (validate; an error caused by plan.file says
     so) or optimizer offload without host memory."""
     try:
-      validate(cfg, self.mesh, generation_devices=self.gen_mesh.devices.size, weights=weights)
+      validate(cfg, self.mesh, generation_devices=self.gen_mesh.devices.size, weights=weights,
+               given=self._given)
     except ValueError as e:  # a value the plan file set, not the user: the error says so
       said = plan_file_lib.attribute_to_plan(str(e), cfg.plan.file)
       if said != str(e):

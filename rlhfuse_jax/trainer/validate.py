@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Collection, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -76,6 +76,16 @@ def _format_beside_model(cfg: TrainConfig) -> str:
     return ""
   return (f"; reward.format={cfg.reward.format!r} still adds {cfg.reward.format_weight:g} x "
           "its score to the model's (--config.reward.format='' for the model's score alone)")
+
+
+def _format_weight_unused(cfg: TrainConfig, given: Collection[str]) -> list[str]:
+  """reward.format_weight set without a reward.format, unless the command line cleared the
+  format and left the weight alone: then the weight is the config file's, set beside the format
+  the user turned off (configs/ppo_hf.py's 0.1 beside gsm8k_format: --config.reward.format=''
+  was warned of as leaving it unused, although the user set no weight)."""
+  if cfg.reward.format or ("reward.format" in given and "reward.format_weight" not in given):
+    return []
+  return set_fields(cfg, "reward", ["format_weight"])
 
 
 def _task_prompt_fields(cfg: TrainConfig) -> list[str]:
@@ -248,11 +258,14 @@ def check_trained_dtype(model: Any, field: str) -> None:
 
 
 def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
-             generation_devices: Optional[int] = None, weights: bool = True) -> None:
+             generation_devices: Optional[int] = None, weights: bool = True,
+             given: Collection[str] = ()) -> None:
   """Raises ValueError naming the config field for a run this mesh cannot do. `mesh` is the
   training mesh; generation and inference run on `generation_devices` devices (default: the
   mesh's; fewer with async_ppo.generation_devices). weights=False: an export's, which reads no
-  HF checkpoint's weights (build.reward_model_config)."""
+  HF checkpoint's weights (build.reward_model_config). `given`: the fields the command line set
+  ("reward.format"; train_ppo's --config.* flags), which tells a setting of the user's from the
+  config file's (_format_weight_unused)."""
   check_trained_dtypes(cfg)
   n_gen = mesh.devices.size if generation_devices is None else generation_devices
   g = cfg.async_ppo.generation_devices
@@ -333,8 +346,7 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
   if cfg.reward.kind != "model":
     warn_unused(set_fields(cfg, "reward", ["model_checkpoint", "model_normalize"]),
                 f"reward.kind={cfg.reward.kind!r} loads no reward model (reward.kind='model' does)")
-  if not cfg.reward.format:
-    warn_unused(set_fields(cfg, "reward", ["format_weight"]), "no reward.format to weigh")
+  warn_unused(_format_weight_unused(cfg, given), "no reward.format to weigh")
   if cfg.guard.on_nonfinite != "skip_update":
     warn_unused(set_fields(cfg, "guard", ["max_consecutive_skips"]), f"guard.on_nonfinite="
                 f"{cfg.guard.on_nonfinite!r} skips no step (it bounds the steps in a row that "
