@@ -882,6 +882,7 @@ def test_a_scalar_head_load_reads_config_json_once(tmp_path, monkeypatch):
   np.testing.assert_array_equal(
       params["head"]["value_head"][:, 0], params["embed"]["embedding"][7])
 
+
 def test_bf16_checkpoint_close_to_fp32(tmp_path):
   def to_bf16(t):
     for name in t:
@@ -1039,3 +1040,28 @@ def test_every_model_field_survives_the_hf_export(field):
   assert getattr(cfg, field) != getattr(llama.ModelConfig(**base), field)
   back = hf_loader.config_from_hf(hf_loader.hf_config_dict(cfg))
   assert getattr(back, field) == getattr(cfg, field)
+
+
+def test_reads_once_parses_a_config_json_once_per_version(tmp_path, monkeypatch):
+  """hf_config.reads_once (a trainer's set-up): one parse per version of a file, each caller
+  given its own copy; a rewrite inside the block is read anew, and outside it every call reads
+  the file."""
+  import builtins
+  from rlhfuse_jax.models import hf_config
+  path = tmp_path / "config.json"
+  path.write_text('{"a": 1, "b": [1]}')
+  opened, real_open = [], builtins.open
+  monkeypatch.setattr(builtins, "open",
+                      lambda f, *a, **k: opened.append(f) or real_open(f, *a, **k))
+  with hf_config.reads_once():
+    first = hf_config.read_json(str(path))
+    first["b"].append(2)  # the caller's copy
+    with hf_config.reads_once():  # an inner block shares the outer one's reads
+      assert hf_config.read_json(str(path)) == {"a": 1, "b": [1]}
+    assert len(opened) == 1, opened
+    path.write_text('{"a": 10, "b": [1]}')  # another size: another version
+    assert hf_config.read_json(str(path))["a"] == 10 and len(opened) == 2
+    with pytest.raises(FileNotFoundError, match="missing.json not found"):
+      hf_config.read_json(str(tmp_path / "missing.json"))
+  assert hf_config.read_json(str(path))["a"] == 10 and len(opened) == 3
+  assert hf_config.read_json(str(path))["a"] == 10 and len(opened) == 4

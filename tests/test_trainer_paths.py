@@ -381,27 +381,48 @@ def test_a_critic_from_an_openrlhf_reward_model_starts_on_the_normalised_scale(r
   assert np.abs(values["off"] - values["auto"]).max() > 0.1  # the check can fail
 
 
-def test_a_start_reads_the_reward_statistics_once_per_checkpoint(reward_files, tmp_path,
-                                                                 monkeypatch):
-  """The set-up asked for the reward model's statistics (build.reward_normalization) five times
-  per start, each a read and parse of its config.json: at the resume check, at validate, at the
-  models, at the critic and at the rewards. Read once per version of the file (a rewrite is read
-  again); the critic's own checkpoint once."""
+def _count_parses(monkeypatch, *checkpoints):
+  """{checkpoint: how often its config.json is opened as text (read to parse it)} from here
+  on; the resume check's digest reads its bytes (a binary open), not counted."""
+  import builtins
+  import collections
+  files = {os.path.abspath(os.path.join(c, "config.json")): str(c) for c in checkpoints}
+  reads, real_open = collections.Counter(), builtins.open
+
+  def counting(file, mode="r", *args, **kwargs):
+    if isinstance(file, (str, os.PathLike)) and "b" not in mode:
+      name = files.get(os.path.abspath(file))
+      if name is not None:
+        reads[name] += 1
+    return real_open(file, mode, *args, **kwargs)
+  monkeypatch.setattr(builtins, "open", counting)
+  return reads
+
+
+def test_a_start_reads_each_checkpoint_s_config_json_once(reward_files, tmp_path, monkeypatch):
+  """A trainer's set-up parsed the reward model's config.json 13 times where the critic starts
+  from it (docs/own_model.md), 8 beside a critic of its own: its shape, positions and head prefix
+  at the config's resolution, validate and the models' build, its statistics, and all again as
+  the critic's (only the statistics were cached). Each checkpoint's is parsed once per start
+  (hf_config.reads_once), and a config.json rewritten since is read anew."""
   rm = _with_reward_stats(reward_files["ckpt"], tmp_path / "rm", 0.75, 0.25)
   critic = _with_reward_stats(reward_files["ckpt"], tmp_path / "critic", 0.5, 2.0)
-  reads = []
-  stats = hf_loader.reward_stats
-  monkeypatch.setattr(hf_loader, "reward_stats", lambda d: reads.append(d) or stats(d))
+  reads = _count_parses(monkeypatch, rm, critic)
   cfg = _reward_run_config(reward_files["prompts"], rm, num_iterations=1, **{
       "algo.estimator": "gae", "init.critic_checkpoint": str(critic)})
   trainer = PPOTrainer(cfg, str(tmp_path / "run"), mesh=_mesh4())
   assert trainer.rollout.rewards.model_norm == (0.75, 0.25)
-  assert sorted(reads) == sorted([str(rm), str(critic)]), reads
+  assert reads == {str(rm): 1, str(critic): 1}, reads
+  reads.clear()
+  cfg = _reward_run_config(reward_files["prompts"], rm, num_iterations=1, **{
+      "algo.estimator": "gae", "init.critic_checkpoint": str(rm)})
+  PPOTrainer(cfg, str(tmp_path / "run_rm_critic"), mesh=_mesh4())
+  assert reads == {str(rm): 1}, reads
   # a rewritten config.json (another size: other statistics) is read again, not the old ones
   hf = json.loads((rm / "config.json").read_text())
   (rm / "config.json").write_text(json.dumps({**hf, "mean": 1.5, "std": 0.5}))
   assert build.reward_normalization(cfg) == (1.5, 0.5)
-  assert reads.count(str(rm)) == 2, reads
+  assert reads == {str(rm): 2}, reads
 
 
 def test_prompts_file_is_what_the_trainer_generates_from(reward_files, fused_run):

@@ -9,10 +9,13 @@ on its own until 2026-12-06 and took all of these, a Mixtral-8x7B as a dense Mis
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import copy
 import math
 import os
 import re
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.models.param_count import QWEN3_DEFAULT_HEAD_DIM
@@ -36,7 +39,46 @@ _ROPE_KEYS = {
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+# The files read_json parsed in the `reads_once` block under way, by (absolute path, inode, size,
+# mtime); None outside one.
+_READS: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("_READS", default=None)
+
+
+@contextlib.contextmanager
+def reads_once() -> Iterator[None]:
+  """Within it, read_json parses each file once per version (its path, inode, size and mtime):
+  a trainer's set-up (trainer/loop.PPOTrainer) asked for a reward model's config.json 13 times,
+  each a read and parse (its shape, positions and head prefix at the config's resolution,
+  validate and the models' build, its statistics, and again as the critic's). Outside one every
+  call reads the file, so that a file rewritten between two starts, or by a test, is read
+  anew. A block inside another shares the outer one's reads."""
+  if _READS.get() is not None:
+    yield
+    return
+  token = _READS.set({})
+  try:
+    yield
+  finally:
+    _READS.reset(token)
+
+
 def read_json(path: str) -> dict[str, Any]:
+  """The JSON object in the file at `path` (a checkpoint's config.json), a missing or malformed
+  file named; read once per version of the file inside `reads_once`. The caller's to change."""
+  reads = _READS.get()
+  try:
+    st = os.stat(path) if reads is not None else None
+  except OSError:  # _read_json's own error says what is missing
+    st = None
+  if st is None:
+    return _read_json(path)
+  key = (os.path.abspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+  if key not in reads:
+    reads[key] = _read_json(path)
+  return copy.deepcopy(reads[key])
+
+
+def _read_json(path: str) -> dict[str, Any]:
   if not os.path.isfile(path):
     parent = os.path.dirname(path)
     why = (f"; {parent!r} is a file: expected the checkpoint's directory" if os.path.isfile(

@@ -755,27 +755,6 @@ def reward_model_config(cfg: TrainConfig, weights: bool = True) -> Optional[Mode
   return model
 
 
-def checkpoint_reward_stats(field: str, path: str) -> Optional[tuple[float, float]]:
-  """hf_loader.reward_stats of the checkpoint at `path` (config.`field`), read once per version
-  of its config.json: a start asked for the reward model's five times (the resume check,
-  validate, the models, the critic, the rewards), each a read and parse of the file. Keyed by
-  the file's inode, size and mtime, so that a rewritten file is read again; a missing one is
-  not cached (load_named names the field)."""
-  try:
-    st = os.stat(os.path.join(path, hf_loader.CONFIG_FILE))
-  except OSError:
-    return load_named(field, path, hf_loader.reward_stats)
-  return _reward_stats_of(field, path, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=16)
-def _reward_stats_of(field: str, path: str, ino: int, size: int, mtime_ns: int
-                     ) -> Optional[tuple[float, float]]:
-  """checkpoint_reward_stats's read, cached by the file's version (ino, size, mtime_ns)."""
-  del ino, size, mtime_ns  # (the cache's key)
-  return load_named(field, path, hf_loader.reward_stats)
-
-
 def reward_normalization(cfg: TrainConfig) -> Optional[tuple[float, float]]:
   """(mean, std) that the reward model's scores are normalised by, (score - mean) / std, or
   None (raw scores, or no reward model): reward.model_normalize against the statistics that
@@ -784,7 +763,7 @@ def reward_normalization(cfg: TrainConfig) -> Optional[tuple[float, float]]:
   r = cfg.reward
   if r.kind != "model" or r.model_normalize == "off":
     return None
-  stats = checkpoint_reward_stats("reward.model_checkpoint", r.model_checkpoint)
+  stats = load_named("reward.model_checkpoint", r.model_checkpoint, hf_loader.reward_stats)
   if stats is None and r.model_normalize == "on":
     raise ValueError(
         f"config.reward.model_normalize='on': config.reward.model_checkpoint="
@@ -802,7 +781,7 @@ def log_reward_normalization(cfg: TrainConfig, norm: Optional[tuple[float, float
                  "config.json (OpenRLHF's normalize_reward); reward.model_normalize='off' for "
                  "its raw scores", r.model_checkpoint, *norm)
   elif r.kind == "model" and r.model_normalize == "off":
-    stats = checkpoint_reward_stats("reward.model_checkpoint", r.model_checkpoint)
+    stats = load_named("reward.model_checkpoint", r.model_checkpoint, hf_loader.reward_stats)
     if stats is not None:
       logging.info("reward model %s: rewards are its raw scores (reward.model_normalize='off'), "
                    "not normalised by the mean %g and std %g in its config.json",
@@ -854,7 +833,8 @@ def critic_normalization(cfg: TrainConfig) -> Optional[tuple[float, float]]:
   another scale than the returns it learns."""
   if not cfg.init.critic_checkpoint or reward_normalization(cfg) is None:
     return None
-  return checkpoint_reward_stats("init.critic_checkpoint", cfg.init.critic_checkpoint)
+  return load_named("init.critic_checkpoint", cfg.init.critic_checkpoint,
+                    hf_loader.reward_stats)
 
 
 def _normalized_head(params: Any, mean: float, std: float) -> Any:

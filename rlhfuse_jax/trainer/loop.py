@@ -38,7 +38,7 @@ from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.data import rewards as rewards_lib
 from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.inference import scoring
-from rlhfuse_jax.models import sequences
+from rlhfuse_jax.models import hf_config, sequences
 from rlhfuse_jax.parallel import distributed
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.perf import accounting
@@ -234,7 +234,8 @@ class PPOTrainer:
           "sees, at the same path (a shared filesystem: NFS, Lustre, a mounted bucket)")
       if on_locked is not None:
         on_locked()
-      self._setup(cfg, mesh)
+      with hf_config.reads_once():  # each checkpoint's config.json read once, not per question
+        self._setup(cfg, mesh)
     except BaseException:
       # A config error found after the checkpoint manager opened: close it here, or orbax's
       # cleanup thread can race the interpreter's shutdown and print its own traceback last.
