@@ -1098,8 +1098,9 @@ def test_a_format_term_beside_a_reward_model_is_said(tok, tmp_path, caplog):
     with caplog.at_level(logging.INFO):
       _model_rewards(tiny_config(**model, **overrides), tok)
     assert (said in caplog.text) == logged, caplog.text
-  # The warning of the verifier left beside the model names the format term it still adds.
-  for overrides, note in ((fmt, True), ({}, False)):
+  # The warning of the verifier left beside the model names the function alone: the `reward:`
+  # line above says what the format adds (test_trainer_paths: once a start).
+  for overrides in (fmt, {}):
     cfg = tiny_config(**model, **overrides, **{"reward.function": "gsm8k"})
     _, tokenizer = build.build_task_and_tokenizer(cfg)
     caplog.clear()
@@ -1107,7 +1108,4 @@ def test_a_format_term_beside_a_reward_model_is_said(tok, tmp_path, caplog):
       validate(build.resolve_config(cfg, tokenizer), mesh_lib.make_mesh(
           mesh_lib.MeshConfig(data=8)))
     assert ("config.reward.function='gsm8k' not used: reward.kind='model': the reward model "
-            "scores every sample" in caplog.text), caplog.text
-    assert ("; reward.format='gsm8k_format' still adds 0.1 x its score to the model's "
-            "(--config.reward.format='' for the model's score alone)" in caplog.text) == note, (
-                caplog.text)
+            "scores every sample\n" in caplog.text), caplog.text

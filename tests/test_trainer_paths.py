@@ -425,6 +425,23 @@ def test_a_start_reads_each_checkpoint_s_config_json_once(reward_files, tmp_path
   assert reads == {str(rm): 2}, reads
 
 
+def test_a_format_term_beside_a_reward_model_is_said_once_per_start(reward_files, tmp_path,
+                                                                    caplog):
+  """A format term beside a reward model and a verifier left from a preset (configs/ppo_hf.py
+  with reward.kind='model') was said twice at start: in validate's warning of the unused
+  reward.function and in build_rewards' `reward:` line. The warning names the function alone;
+  the `reward:` line, said whether or not a function is left, says what the format adds."""
+  cfg = _reward_run_config(reward_files["prompts"], reward_files["ckpt"], num_iterations=1,
+                           **{"reward.function": "gsm8k"})
+  with caplog.at_level(logging.INFO):
+    PPOTrainer(cfg, str(tmp_path / "run"), mesh=_mesh4())
+  assert ("config.reward.function='gsm8k' not used: reward.kind='model': the reward model "
+          "scores every sample\n" in caplog.text), caplog.text
+  assert (f"reward: the reward model's score + {PENALTY_WEIGHT:g} x {LENGTH_PENALTY!r}"
+          in caplog.text), caplog.text
+  assert caplog.text.count(repr(LENGTH_PENALTY)) == 1, caplog.text
+
+
 def test_prompts_file_is_what_the_trainer_generates_from(reward_files, fused_run):
   """data.prompts_file with the task's tokenizer: every iteration generates from the file's
   prompts (decoded from the recorded prompt tokens), each file record once per iteration (8 of

@@ -68,16 +68,6 @@ def _reward_unused(cfg: TrainConfig) -> list[str]:
   return set_fields(cfg, "reward", ["function"])
 
 
-def _format_beside_model(cfg: TrainConfig) -> str:
-  """The note for a verifier left beside a reward model: the format term the same preset set
-  still adds to the model's score (configs/ppo_hf.py's gsm8k_format, 0.1 x 0-or-1, went
-  unnoticed beside a reward model's score)."""
-  if not cfg.reward.format:
-    return ""
-  return (f"; reward.format={cfg.reward.format!r} still adds {cfg.reward.format_weight:g} x "
-          "its score to the model's (--config.reward.format='' for the model's score alone)")
-
-
 def _format_weight_unused(cfg: TrainConfig, given: Collection[str]) -> list[str]:
   """reward.format_weight set without a reward.format, unless the command line cleared the
   format and left the weight alone: then the weight is the config file's, set beside the format
@@ -339,8 +329,9 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
                 "puts no KL to the reference in the reward or the loss")
   _async_unused(cfg)
   _uneven_tensor_split(cfg, mesh)
-  warn_unused(_reward_unused(cfg), "reward.kind='model': the reward model scores every sample"
-              + _format_beside_model(cfg))
+  # (A format term kept beside it is said by build_rewards' `reward:` line, once a start, also
+  # where no function is left to warn of.)
+  warn_unused(_reward_unused(cfg), "reward.kind='model': the reward model scores every sample")
   # A reward model's path without reward.kind='model', a weight without a format: ignored
   # without a word, as the fusion fields below were.
   if cfg.reward.kind != "model":
