@@ -1,5 +1,5 @@
 """pipeline/gantt.py's redraw: a schedule binary's gantt.png drawn again from its schedule.json
-and the title it kept (gantt.json), or, for a run kept before titles were (the 13 kept CP-SAT
+and the title it kept (gantt.json), or, for a run kept before titles were (the 16 kept CP-SAT
 folders of experiments/results/), the title rebuilt from its result.json; a folder without
 what it needs is refused naming the file."""
 import json
@@ -107,3 +107,19 @@ def test_a_kept_cp_sat_folder_redraws_under_the_title_its_png_shows(tmp_path, ti
   gantt.redraw(str(tmp_path))
   assert titles == ["CP-SAT schedule: makespan 375, tight LB 372, peak/budget 1.00"]
   assert (tmp_path / "gantt.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_every_kept_schedule_has_its_gantt_png_and_a_title_to_redraw_it_under():
+  """docs/schedules.md's kept schedules each come with their figure: a folder of
+  experiments/results/ with a schedule.json has its gantt.png beside it (e9_uniform_cp's growth
+  steps g40, g48, g56 had none until 2026-12-07), and a title rebuilt from its result.json, so
+  any of them redraws."""
+  results = os.path.join(REPO, "experiments", "results")
+  folders = sorted(root for root, _, files in os.walk(results) if gantt.SCHEDULE in files)
+  assert len(folders) == 16, folders
+  for folder in folders:
+    with open(os.path.join(folder, gantt.PNG), "rb") as f:
+      assert f.read(len(PNG_MAGIC)) == PNG_MAGIC, folder
+    sched = schedule_lib.load(os.path.join(folder, gantt.SCHEDULE))
+    assert gantt.rebuilt_title(folder, sched).startswith(
+        f"CP-SAT schedule: makespan {sched.makespan:g}, tight LB "), folder
