@@ -140,6 +140,51 @@ def test_disjoint_plans_time_their_pipelines_with_the_latency_of_every_round_tri
   assert step > 1.0  # the chosen plan's pipeline came from one_f_one_b_s
 
 
+def test_a_model_alone_may_leave_devices_idle_and_is_then_the_best_on_any_fewer():
+  """single_model_plan(idle=True) on n devices is the best of the plans that use all of m
+  devices, any m <= n (every (tp, pp, dp) with tp x pp x dp <= n, brute force; its lower bound
+  skips none that wins), on fixed-seed random instances, where no plan uses all n (a factor the
+  mini-batch lacks) as well; where it is not strictly faster than the best on all n it is that
+  plan. Its plan's "devices" are those it uses. Strictly faster on a case by hand below."""
+  rng = np.random.default_rng(0)
+  shapes = (get_shape("llama-7b"), get_shape("llama-13b", "scalar"))
+  rescued = 0
+  for _ in range(40):
+    shape = shapes[int(rng.integers(2))]
+    n, minibatch = int(rng.integers(1, 33)), int(rng.choice([1, 2, 3, 4, 6, 8, 12, 16, 24]))
+    mean_len, first = float(rng.uniform(50, 2000)), int(rng.choice([0, 4, 12]))
+    full = ts.single_model_plan(H100, shape, n, minibatch, 1, mean_len, first=first)
+    idle = ts.single_model_plan(H100, shape, n, minibatch, 1, mean_len, first=first, idle=True)
+    each = [p for m in range(1, n + 1)
+            if (p := ts.single_model_plan(H100, shape, m, minibatch, 1, mean_len, first=first))]
+    if not each:
+      assert idle is None and full is None
+      continue
+    best = min(each, key=lambda p: p[0])
+    assert idle[0] == pytest.approx(best[0], rel=1e-12), (shape.name, n, minibatch, mean_len)
+    q = idle[1]
+    assert q["devices"] == q["tp"] * q["pp"] * q["dp"] <= n and q["dp"] * q["M"] == minibatch
+    if full is None:
+      rescued += 1
+    elif not idle[0] < full[0]:
+      assert idle[0] == full[0] and idle[1] == full[1]  # a tie keeps every device busy
+  assert rescued >= 10, rescued
+  # 13B alone on 24 H100s, mini-batch 6 (the docstring's): tp2 pp4 dp3 on all 24 pays a
+  # 12.1 ms all-reduce a step, tp4 pp4 dp1 on 16 none; 12 devices and a mini-batch of 16: dp 3
+  # or 12 on all of them, so only 8 of them train.
+  a = get_shape("llama-13b")
+  step, plan = ts.single_model_plan(H100, a, 24, 6, 1, 200 / 3, padded_len=128.0,
+                                    head_positions=64.0)
+  assert (plan["tp"], plan["pp"], plan["dp"], plan["devices"]) == (2, 4, 3, 24)
+  assert step == pytest.approx(0.0426, abs=1e-4)
+  step, plan = ts.single_model_plan(H100, a, 24, 6, 1, 200 / 3, padded_len=128.0,
+                                    head_positions=64.0, idle=True)
+  assert (plan["tp"], plan["pp"], plan["dp"], plan["devices"]) == (4, 4, 1, 16)
+  assert step == pytest.approx(0.0364, abs=1e-4)
+  assert ts.single_model_plan(H100, a, 12, 16, 1, 500.0) is None
+  assert ts.single_model_plan(H100, a, 12, 16, 1, 500.0, idle=True)[1]["devices"] == 8
+
+
 def test_training_plans_split_whole_layers_per_stage():
   """13B's 40 layers: no plan puts 2.5 layers on each of 16 stages (a stage holds whole layers,
   as Megatron-LM and our executor require); every candidate tried has pp dividing the layers."""

@@ -377,62 +377,88 @@ def single_model_plan(cost: CostModel, shape: ModelShape, n: int, minibatch: int
                       micro_batch: int, mean_len: float, resident_bytes: float = 0.0,
                       first: int = 0,
                       padded_len: Optional[float] = None,
-                      head_positions: float = 0.0) -> Optional[tuple[float, dict]]:
+                      head_positions: float = 0.0,
+                      idle: bool = False) -> Optional[tuple[float, dict]]:
   """(1F1B step seconds, plan) of one model alone on n devices (tp x pp x dp) numbered from
   `first`, the fastest that fits (at `padded_len` tokens a sample: step_costs) beside
   `resident_bytes` per device, or None if nothing fits (ReaLHF-like disjoint training;
-  plan_search)."""
+  plan_search). With `idle`, each (tp, pp) also takes a smaller dp that divides the mini-batch,
+  the model then on the first tp x pp x dp of the n devices (the plan's "devices") and the
+  others idle, where that is strictly faster or the only fit: a gradient all-reduce can cost
+  more than the shorter pipeline it buys (13B alone on 24 H100s, mini-batch 6 of 67 tokens:
+  tp2 pp4 dp3 takes 42.6 ms a step, 12.1 of them the all-reduce; tp4 pp4 dp1 on 16 of them
+  36.4 ms), and a device count with a factor the mini-batch lacks has no plan on all of its
+  devices (12, mini-batch 16)."""
   mem_len = memory_len(mean_len, padded_len)
   best = None
   # The calibration's measured stage times are per model (a scalar head: the critic's); the
   # critic alone was timed with the actor's measured forward and neither measured backward.
   model = "critic" if shape.head == "scalar" else "actor"
-  for tp in (1, 2, 4, 8):
-    if shape.tensor_parallel_error(tp):
+  for tp, pp, dp in _single_model_layouts(shape, n, minibatch, micro_batch,
+                                          cost.hw.devices_per_node, idle):
+    m = minibatch // (dp * micro_batch)
+    mb_tokens = micro_batch * mean_len
+    need = cost.train_memory_bytes(shape, tp, pp, dp, True, micro_batch * mem_len,
+                                   min(pp, m), accumulates(pp, m), micro_batch,
+                                   head_positions)
+    if need + resident_bytes > cost.usable_bytes:
       continue
-    for pp in (1, 2, 4, 8, 16):
-      if n % (tp * pp) or tp > cost.hw.devices_per_node or shape.num_layers % pp:
-        continue
-      dp = n // (tp * pp)
-      if minibatch % (dp * micro_batch):
-        continue
-      m = minibatch // (dp * micro_batch)
-      mb_tokens = micro_batch * mean_len
-      need = cost.train_memory_bytes(shape, tp, pp, dp, True, micro_batch * mem_len,
-                                     min(pp, m), accumulates(pp, m), micro_batch,
-                                     head_positions)
-      if need + resident_bytes > cost.usable_bytes:
-        continue
-      f = float(cost.train_stage_fwd_s(shape, tp, pp, mb_tokens, (mean_len + 1) / 2, model))
-      lat = stage_hop_s(cost, mb_tokens * shape.hidden_size * shape.act_itemsize / tp, tp * dp,
-                        pp, first)
-      b = cost.train_stage_bwd_s(f, model, cost.train_stage_comm_s(shape, tp, pp, mb_tokens))
-      step = (one_f_one_b_s(pp, m, f, b, lat) +
-              cost.grad_sync_s(shape, tp, pp, dp) + cost.optimizer_step_s(shape, tp * pp * dp))
-      if best is None or step < best[0]:
-        best = (step, {"devices": n, "tp": tp, "pp": pp, "dp": dp, "M": m})
+    f = float(cost.train_stage_fwd_s(shape, tp, pp, mb_tokens, (mean_len + 1) / 2, model))
+    b = cost.train_stage_bwd_s(f, model, cost.train_stage_comm_s(shape, tp, pp, mb_tokens))
+    opt = cost.optimizer_step_s(shape, tp * pp * dp)
+    # No faster than its 1F1B without latency or all-reduce: such a layout is not timed (the
+    # evaluator's 1F1B below), which keeps `idle`'s smaller dps, M times the work, cheap.
+    if best is not None and pipeline_1f1b_makespan(pp, m, f, b) + opt >= best[0]:
+      continue
+    lat = stage_hop_s(cost, mb_tokens * shape.hidden_size * shape.act_itemsize / tp, tp * dp,
+                      pp, first)
+    step = one_f_one_b_s(pp, m, f, b, lat) + cost.grad_sync_s(shape, tp, pp, dp) + opt
+    if best is None or step < best[0]:
+      best = (step, {"devices": tp * pp * dp, "tp": tp, "pp": pp, "dp": dp, "M": m})
   return best
+
+
+def _single_model_layouts(shape: ModelShape, n: int, minibatch: int, micro_batch: int,
+                          devices_per_node: int, idle: bool):
+  """(tp, pp, dp) of single_model_plan's candidates on n devices: tp inside a node and
+  dividing the heads, pp dividing the layers, dp dividing the mini-batch into micro-batches;
+  dp = n / (tp x pp), then with `idle` every smaller such dp (after all the former, so that the
+  best of those prunes them, and a tie keeps every device busy)."""
+  grid = [(tp, pp) for tp in (1, 2, 4, 8) for pp in (1, 2, 4, 8, 16)
+          if tp <= devices_per_node and not shape.tensor_parallel_error(tp)
+          and not shape.num_layers % pp]
+  for tp, pp in grid:
+    dp = n // (tp * pp)
+    if not n % (tp * pp) and minibatch % (dp * micro_batch) == 0:
+      yield tp, pp, dp
+  for tp, pp in grid if idle else ():
+    top = n // (tp * pp) - (not n % (tp * pp))  # (n / (tp x pp) itself came above)
+    for dp in range(top, 0, -1):
+      if minibatch % (dp * micro_batch) == 0:
+        yield tp, pp, dp
 
 
 def disjoint_splits(cost: CostModel, actor: ModelShape, critic: ModelShape, n: int,
                     minibatch: int, micro_batch: int, mean_len: float,
                     fractions=(0.25, 0.5, 0.75), resident_bytes: float = 0.0,
                     padded_len: Optional[float] = None,
-                    head_positions: float = 0.0) -> list[tuple[float, dict]]:
+                    head_positions: float = 0.0,
+                    idle: bool = False) -> list[tuple[float, dict]]:
   """Actor and critic trained at once on disjoint device groups (the actor on each fraction of
   the n devices, the critic on the rest): [(step seconds, {"actor": plan, "critic": plan})]
   for the splits where both fit (at `padded_len` tokens a sample, beside `resident_bytes` per
-  device); a step lasts as long as the slower model's."""
+  device); a step lasts as long as the slower model's. `idle`: single_model_plan's, each
+  model may leave some of its group idle."""
   out = []
   for frac in fractions:
     na = int(n * frac)
     if not 0 < na < n:  # too few devices to give each model some
       continue
     a = single_model_plan(cost, actor, na, minibatch, micro_batch, mean_len, resident_bytes,
-                          padded_len=padded_len, head_positions=head_positions)
+                          padded_len=padded_len, head_positions=head_positions, idle=idle)
     c = single_model_plan(cost, critic, n - na, minibatch, micro_batch, mean_len,
                           resident_bytes, first=na, padded_len=padded_len,
-                          head_positions=head_positions)
+                          head_positions=head_positions, idle=idle)
     if a and c:
       out.append((max(a[0], c[0]), {"actor": a[1], "critic": c[1]}))
   return out
