@@ -89,12 +89,12 @@ def _rescore(wl, seq, colocated, actor, critic):
   return a + c if colocated else max(a, c)
 
 
-def _brute_force_stages(wl, opt, frozen=None, rescore=False, kept=0.0):
+def _brute_force_stages(wl, opt, frozen=None, rescore=False, kept=0.0, idle=False):
   """Every stage plan of `wl` evaluated directly, without the search's code: ([(gen_s, devices
   per generation copy)], [(inf_s, inference tp)], [train_s]). `frozen`: the inference models
   (default reference, critic, reward model). `rescore`: each train_s with its plan's async
   rescore, (train_s, rescore_s). `kept`: bytes per device that generation and training must
-  fit beside."""
+  fit beside. `idle`: disjoint models may leave devices idle (the synchronous search's)."""
   prompts, resp = wl.sample_lengths()
   seq = (prompts + resp).astype(float)
   n = wl.num_devices
@@ -144,7 +144,7 @@ def _brute_force_stages(wl, opt, frozen=None, rescore=False, kept=0.0):
       t = train_lib.pipeline_train_s(costs, wl.num_minibatches, False)["train_s"]
       trains.append((t, _rescore(wl, seq, True, (n, tp, pa), (n, tp, pc))) if rescore else t)
   for s, q in train_lib.disjoint_splits(COST, wl.actor, wl.critic, n, wl.minibatch, 1,
-                                        float(seq.mean()), resident_bytes=kept):
+                                        float(seq.mean()), resident_bytes=kept, idle=idle):
     a, c = q["actor"], q["critic"]
     trains.append((s * wl.num_minibatches, _rescore(
         wl, seq, False, (a["devices"], a["tp"], a["pp"]), (c["devices"], c["tp"], c["pp"])))
@@ -155,7 +155,7 @@ def _brute_force_stages(wl, opt, frozen=None, rescore=False, kept=0.0):
 def _brute_force_best(wl, opt, inf_s, kept=0.0):
   """The cheapest iteration with an inference stage of `inf_s`, generation and training fitting
   beside `kept` bytes per device, every combination evaluated directly."""
-  gens, _, trains = _brute_force_stages(wl, opt, kept=kept)
+  gens, _, trains = _brute_force_stages(wl, opt, kept=kept, idle=True)
   if not (gens and trains):
     return float("inf")
   brute = min(g + ps.reshard_s(COST, wl, copy) for g, copy in gens) + inf_s + min(trains)
@@ -192,6 +192,34 @@ def test_search_finds_the_brute_force_optimum_on_a_small_cluster():
       p["predicted"]["iteration_s"] for p in res["top"])
   assert res["uniform"]["predicted"]["reshard_s"] == 0.0
   assert "async" not in res  # staleness 0: the synchronous search only
+
+
+def test_the_search_leaves_training_devices_idle_where_that_is_faster(monkeypatch):
+  """Every plan used all the devices (docs/simulator.md's known limit): 13B/13B on 48 H100s,
+  mini-batch 6, trained each model on 24 devices (tp2 pp4 dp3) whose gradient all-reduce costs
+  more than its shorter pipeline saves. The search now lets a disjoint model use fewer of its
+  devices: each on 16 (tp4 pp4 dp1, no all-reduce), 16 of the 48 idle while it trains, the
+  same generation and inference, 3 % faster than the best plan that uses all 48, and it fits
+  in memory."""
+  wl = it.Workload(actor=ACTOR, critic=get_shape("llama-13b", "scalar"), num_devices=48,
+                   global_batch=12, minibatch=6, max_new_tokens=64,
+                   prompt=LengthSpec(kind="uniform", min_len=8, max_len=64),
+                   response=LengthSpec(kind="uniform", min_len=1, max_len=64))
+  opt = it.SimOptions()
+  best = ps.search(COST, wl, opt)["best"]
+  train = best["training"]
+  assert train["placement"] == "disjoint"
+  assert [(q["devices"], q["tp"], q["pp"], q["dp"]) for q in (train["actor"], train["critic"])
+          ] == [(16, 4, 4, 1)] * 2
+  assert all(r["total"] <= r["usable"] for r in ps.plan_memory(COST, wl, opt, best))
+  # The best that uses all 48: the search with every model on all of its share.
+  splits = train_lib.disjoint_splits
+  monkeypatch.setattr(train_lib, "disjoint_splits",
+                      lambda *a, **k: splits(*a, **{**k, "idle": False}))
+  busy = ps.search(COST, wl, opt)["best"]
+  assert [busy["training"][r]["devices"] for r in ("actor", "critic")] == [24, 24]
+  assert (busy["generation"], busy["inference"]) == (best["generation"], best["inference"])
+  assert best["predicted"]["iteration_s"] < 0.97 * busy["predicted"]["iteration_s"]
 
 
 @pytest.mark.parametrize("field, value", [("chunk_steps", 0), ("inference_microbatch", -3),
@@ -807,8 +835,9 @@ def test_the_report_says_what_a_calibration_measured_and_where_each_default_come
 def test_no_plan_the_trainer_runs_lists_each_reason_with_its_count():
   """Every combination refused by the trainer's rules or checks: the error printed the dict of
   reasons on one line ("refused: {'disjoint training ...': 12, ...}"); each reason now comes
-  with its count, the most frequent first (here also the combinations whose inference does not
-  fit beside their training plan's state, _memory_refusal, refused before `accept` sees them)."""
+  with its count, the most frequent first (here also the combinations whose inference, or
+  generation beside a disjoint plan that leaves devices idle, does not fit beside their training
+  plan's state, _memory_refusal, refused before `accept` sees them)."""
   wl = _small()
   reasons = itertools.cycle(["first", "second", "second"])
   with pytest.raises(ValueError) as e:
@@ -823,8 +852,8 @@ def test_no_plan_the_trainer_runs_lists_each_reason_with_its_count():
   counts = [n for n, _ in listed]
   assert counts == sorted(counts, reverse=True) and counts[0] > counts[1], msg
   assert sum(counts) == int(total), msg  # (fewer than 9 reasons: each listed)
-  assert all(re.fullmatch(r"inference tp\d( x pp\d)? does not fit in memory beside its training "
-                          r"plan's "
+  assert all(re.fullmatch(r"(inference tp\d( x pp\d)?|generation instances tp\d \(\d+ slots\)) "
+                          r"does not fit in memory beside its training plan's "
                           r"state \(both models' weights and AdamW state\)", why)
              for _, why in listed[2:]), msg
 
@@ -980,7 +1009,7 @@ def test_search_counts_each_stage_plan_once():
   gens, trains, tried = set(), set(), 0
   for kept in levels:
     g = ps.generation_candidates(COST, wl, opt, prompts, resp, {}, resident_bytes=kept)
-    t = ps.training_candidates(COST, wl, float(seq.mean()), {}, kept)
+    t = ps.training_candidates(COST, wl, float(seq.mean()), {}, kept, idle=True)  # (search's)
     gens |= {(c.plan.mode, c.plan.tp, c.plan.pp, c.plan.groups) for c in g}
     trains |= {json.dumps(c.plan, sort_keys=True) for c in t}
     tried += len(g) + len(t)
@@ -1028,9 +1057,15 @@ def test_search_keeps_generation_and_inference_beside_the_training_state():
       (p["inference"]["tp"], p["inference"]["pp"]) == (2, 1) and
       layout(p["training"]) in ((2, 8, 1), (8, 2, 1))) else "other")
   memory = {w: n for w, n in res["refused"].items() if w != "other"}
-  # (each refused before `accept` sees it, other training plans' too: one reason, counted)
-  assert list(memory) == ["inference tp2 does not fit in memory beside its training plan's "
-                          "state (both models' weights and AdamW state)"], res["refused"]
+  # (each refused before `accept` sees it, other training plans' too: one reason, counted;
+  # since 2026-12-07 also the disjoint plans that leave 4 devices idle, a model alone on 4 and
+  # the other on 8 of the 16, whose 4 keep a quarter of a 13B model's state each: inference
+  # tp1 x pp2 and generation tp1 do not fit beside that)
+  beside = " does not fit in memory beside its training plan's state (both models' weights and " \
+           "AdamW state)"
+  assert sorted(memory) == [f"generation instances tp1 (256 slots){beside}",
+                            f"inference tp1 x pp2{beside}", f"inference tp2{beside}"], \
+      res["refused"]
   trainer = ps.trainer_workload(wl)  # (as `accept` makes the search size it)
   # tp2 Pa/Pc=8/1 was among those refused: its 31.6 GiB of state is more than fits there.
   slow = {**res["top"][0], "training": {**res["top"][0]["training"], "tp": 2, "actor_pp": 8,
@@ -1065,33 +1100,35 @@ def test_search_keeps_generation_and_inference_beside_the_training_state():
 
 
 def test_with_no_synchronous_plan_the_asynchronous_splits_are_still_searched(tmp_path):
-  """On 24 devices no layout of all of them divides a mini-batch of 32 (dp 3 or 24), so no
+  """On 24 devices no layout of all of them divides a mini-batch of 32 (dp 3 or 24); a disjoint
+  plan may leave some idle (since 2026-12-07: 7B's actor and critic on 8 of them each fit), but
+  33B's keep so much state on their devices that no generation fits beside it, so no
   synchronous plan fits; with staleness the search raised that before searching the splits,
-  where 16 generating beside 8 training fits (and 24 devices beat 16's best). Now the splits
-  are searched alone: best None, synchronous_error the reason; the binary writes the split's
-  plan to plan.json and its report says why there is no synchronous one."""
-  s = get_shape("llama-7b")
+  where 8 generating beside 16 training fits (the generation group keeps no training state).
+  Now the splits are searched alone: best None, synchronous_error the reason; the binary
+  writes the split's plan to plan.json and its report says why there is no synchronous one."""
+  s = get_shape("llama-33b")
   opt = it.SimOptions(search_time_s=0.2)
-  wl = {n: it.Workload(actor=s, critic=s.as_critic(), num_devices=n, global_batch=128,
-                       minibatch=32, max_new_tokens=512) for n in (16, 24)}
-  with pytest.raises(ValueError, match="no feasible plan of llama-7b"):
-    ps.search(COST, wl[24], opt)
-  res = ps.search(COST, wl[24], opt, staleness=1)
+  wl = it.Workload(actor=s, critic=s.as_critic(), num_devices=24, global_batch=128,
+                   minibatch=32, max_new_tokens=512)
+  with pytest.raises(ValueError, match=r"no plan of llama-33b \+ llama-33b-critic on 24 devices "
+                                       r"\(\d+ combinations refused\): \d+ x generation .* does "
+                                       r"not fit in memory beside its training plan's state"):
+    ps.search(COST, wl, opt)
+  res = ps.search(COST, wl, opt, staleness=1)
   assert res["best"] is None and res["top"] == []
-  assert res["synchronous_error"].startswith("plan search: no feasible plan of llama-7b")
+  assert res["synchronous_error"].startswith("plan search: no plan of llama-33b")
   best = res["async"]["best"]
   assert not best["async"]["colocated"] and best["async"]["generation_devices"] + best[
       "async"]["training_devices"] == 24
-  assert (best["predicted"]["iteration_s"] <
-          ps.search(COST, wl[16], opt, staleness=1)["async"]["best"]["predicted"]["iteration_s"])
-  with pytest.raises(ValueError, match=r"no feasible plan of llama-7b.*; and async plan search "
+  with pytest.raises(ValueError, match=r"no plan of llama-33b.*; and async plan search "
                                        r"\(k=1\): no split of 24 devices fits: 12 / 12: no "
                                        r"training plan on 12 devices"):
-    ps.search(COST, wl[24], opt, staleness=1, split_unit=12)
+    ps.search(COST, wl, opt, staleness=1, split_unit=12)
   env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
   out = subprocess.run(
       [sys.executable, "-m", "experiments.plan_search", "--config=configs/plan_search.py:13b/13b",
-       "--config.pairs=llama-7b/llama-7b",
+       "--config.pairs=llama-33b/llama-33b",
        f"--workdir={tmp_path}", "--config.num_devices=24", "--config.global_batch=128",
        "--config.minibatch=32", "--config.max_new_tokens=512", "--config.sim.staleness=1",
        "--config.sim.search_time_s=0.2"],
@@ -1117,7 +1154,7 @@ def test_with_no_synchronous_plan_the_asynchronous_splits_are_still_searched(tmp
       max(row["gen_plus_inf_s"], row["train_s"]) + row["reshard_s"])
   assert "| system | gen+inf s | train s | reshard s | iteration s |" in (
       tmp_path / "plan_search.md").read_text()
-  assert "No synchronous plan: plan search: no feasible plan" in (
+  assert "No synchronous plan: plan search: no plan of llama-33b" in (
       tmp_path / "plan_search.md").read_text()
 
 

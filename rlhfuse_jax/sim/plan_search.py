@@ -9,7 +9,8 @@ layouts (docs/architecture.md §4). A plan gives each stage its own layout over 
   inference   instances of tp devices (reference, reward, critic forwards of the finished batch)
   training    `colocated`: actor and critic pipelines on all devices (training_sim.TrainPlan,
               actor 1F1B then critic 1F1B); or `disjoint`: each model alone on its own share of
-              the devices, both at once (training_sim.single_model_plan)
+              the devices, both at once (training_sim.single_model_plan), synchronously on as
+              many of them as is fastest: the one stage plan that may leave devices idle
 
 Synchronously, the stages of an iteration run one after the other, and a plan pays one
 resharding: the actor's new weights into the generation layout (one copy a node over the
@@ -545,11 +546,15 @@ def micro_batching(wl, tp: int, actor_pp: int, critic_pp: int) -> dict:
 
 
 def training_candidates(cost: CostModel, wl, mean_len: float, rejected: dict,
-                        resident_bytes: float = 0.0) -> list[Candidate]:
+                        resident_bytes: float = 0.0, idle: bool = False) -> list[Candidate]:
   """Colocated pipeline plans (serial 1F1B time at `mean_len`; training_sim.best_plan's grid)
   and disjoint splits (each model alone on 1/4, 1/2 or 3/4 of the devices, at once), their
   memory at the trainer's padded rows (wl.padded_len), beside `resident_bytes` per device of
-  frozen weights (search)."""
+  frozen weights (search). With `idle` (the synchronous search's) a disjoint model may leave
+  some of its share idle (training_sim.single_model_plan): the one kind of plan here that does;
+  an asynchronous split's training group does not (its size is itself searched; with it 23 of
+  65B/33B's 31 splits of 256 H100s fit instead of 3, each searched through: 3.5x the search's
+  time, for the same best split)."""
   out = []
   try:
     _, tried = train_lib.best_plan(cost, wl.actor, wl.critic, wl.num_devices, wl.minibatch,
@@ -571,7 +576,7 @@ def training_candidates(cost: CostModel, wl, mean_len: float, rejected: dict,
   splits = train_lib.disjoint_splits(cost, wl.actor, wl.critic, wl.num_devices, wl.minibatch,
                                      wl.micro_batch, mean_len, resident_bytes=resident_bytes,
                                      padded_len=wl.padded_len,
-                                     head_positions=wl.max_new_tokens)
+                                     head_positions=wl.max_new_tokens, idle=idle)
   if not splits:
     rejected["training disjoint"] = "no split of the devices fits both models"
   for step, plans in splits:
@@ -596,7 +601,7 @@ def beside_frozen(cost: CostModel, wl, opt, infs: list, prompts, resp, mean_len:
   for kept in sorted(set(kept_at.values())) or [0.0]:
     rej: dict = {}
     gens = generation_candidates(cost, wl, opt, prompts, resp, rej, resident_bytes=kept)
-    trains = training_candidates(cost, wl, mean_len, rej, kept) if training else []
+    trains = training_candidates(cost, wl, mean_len, rej, kept, idle=True) if training else []
     rejected.update(rej if not kept else {
         f"{k} beside {kept / GIB:.1f} GiB of frozen weights": v for k, v in rej.items()})
     groups[kept] = tuple(sorted(c, key=lambda x: x.seconds) for c in (gens, trains))
@@ -1426,8 +1431,8 @@ def no_plan_message(cost: CostModel, wl, rejected: dict, infs: list, groups: dic
               " Each also fits with more memory per device (the hardware's hbm_bytes) or "
               "shorter prompts and responses (config.prompt.max_len, config.max_new_tokens)."
               if memory else "") + (
-              " Every plan uses all the devices (none is left idle), so fewer may divide "
-              "the batch where these do not (config.num_devices)."
+              " Every plan but a disjoint training uses all the devices, so fewer may "
+              "divide the batch where these do not (config.num_devices)."
               if any("divisible" in str(v) for v in rejected.values()) else "") + (
               f" Each of the {len(names)} rejected plans and why: the 'rejected' lines above"
               + (f" ({len(rejected)}, one for each inference plan's frozen weights it was tried "
