@@ -106,7 +106,7 @@ _build_sequences = jax.jit(sequences.build_sequences, static_argnames=("pad_id",
 def response_logprobs(cfg: ModelConfig, params, tokens, prompt_lens, num_response: int,
                       temperature: float = 1.0, *, mesh: Optional[Mesh] = None):
   """[B, T] float32 log-probs of the response tokens under `params` (LM head)."""
-  with llama.shard_activations(mesh, mesh_lib.LOGICAL_RULES):
+  with llama.shard_activations(mesh, mesh_lib.LOGICAL_RULES, forward_only=True):
     return sequences.response_logprobs(cfg, params, tokens, prompt_lens, num_response,
                                        temperature)
 
@@ -115,7 +115,7 @@ def response_logprobs(cfg: ModelConfig, params, tokens, prompt_lens, num_respons
 def critic_values(cfg: ModelConfig, params, tokens, prompt_lens, num_response: int, *,
                   mesh: Optional[Mesh] = None):
   """[B, T] float32 critic values at positions prompt_len-1+t (scalar head)."""
-  with llama.shard_activations(mesh, mesh_lib.LOGICAL_RULES):
+  with llama.shard_activations(mesh, mesh_lib.LOGICAL_RULES, forward_only=True):
     return sequences.response_values(cfg, params, tokens, prompt_lens, num_response)
 
 
@@ -123,7 +123,7 @@ def critic_values(cfg: ModelConfig, params, tokens, prompt_lens, num_response: i
 def reward_model_scores(cfg: ModelConfig, params, tokens, prompt_lens, response_lens, *,
                         mesh: Optional[Mesh] = None):
   """[B] float32 reward-model scalar at sequences.score_positions (scalar head)."""
-  with llama.shard_activations(mesh, mesh_lib.LOGICAL_RULES):
+  with llama.shard_activations(mesh, mesh_lib.LOGICAL_RULES, forward_only=True):
     return sequences.sequence_scores(cfg, params, tokens, prompt_lens, response_lens)
 
 
