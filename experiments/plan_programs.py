@@ -70,7 +70,9 @@ Measured per program, per device (SPMD: XLA compiles one program per device):
   replication  flops_per_device / analytic useful FLOPs per device (1.0: no repeated work)
   fits       the peak plus what stays on its devices beside it (beside_train_state: the
              training state, the models kept there, asynchronous PPO's copy of the actor) <= the
-             hardware preset's HBM bytes; fits_alone: the peak alone
+             hardware preset's HBM bytes; fits_alone: the peak alone. Not counted: the
+             rollout's arrays the trainer keeps on the training devices through the update
+             (sim/cost_model.rollout_bytes: 16.8 MB for 512 samples of 2,048 tokens unsplit)
   collective_bytes  per kind, the buffer bytes each device's collectives move, loops counted
              (perf/hlo_flops.py; a decode chunk's loop counts once: one step)
   collective_s  those collectives one after another on the hardware preset (the simulator's
