@@ -896,7 +896,10 @@ def _init_boxed(cfg: ModelConfig, rng: jax.Array) -> Any:
   or the random values (flax derives each parameter's key from its module path), so the
   forward traced is the cheapest one: whole-cache attention, nothing rematerialised."""
   cheap = cfg.replace(attention="reference", remat="none")
-  return Transformer(cheap).init(rng, jnp.zeros((1, 2), jnp.int32))["params"]
+  # Also when a forward asks for its specs while it is traced (Transformer._forward under
+  # shard_activations(forward_only=True)): a model of its own, none of that forward's context.
+  with no_activation_constraints():
+    return Transformer(cheap, parent=None).init(rng, jnp.zeros((1, 2), jnp.int32))["params"]
 
 
 def _init_arrays(cfg: ModelConfig, rng: jax.Array) -> Any:
