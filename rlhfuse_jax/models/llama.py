@@ -326,7 +326,10 @@ def after_input(x: jax.Array, params: Any, specs: Any) -> Any:
 
   The tie is local to each device (a shard_map: no collective): every parameter shard minus an
   exact +0 computed from the first element of the device's first row of `x` (+0 whatever that
-  element is, NaN and inf included), so the values, signed zeros too, are unchanged."""
+  element is, NaN and inf included), so the values, signed zeros too, are unchanged. It makes a
+  copy of the shards: where no weight is split over a batch axis (data-only or tensor meshes)
+  there is no gather to order, and `params` are returned as they are (tied, a data-only mesh's
+  8-layer forward held 8.7 MB of temporaries instead of 0.9)."""
   mesh, rules, _ = _ACTIVATIONS.get()
   batch = _mesh_axes(rules, "batch")
   rows = P(batch) if x.shape[0] % math.prod(mesh.shape[a] for a in batch) == 0 else P()
@@ -335,6 +338,10 @@ def after_input(x: jax.Array, params: Any, specs: Any) -> Any:
   leaves, tree = jax.tree.flatten(params)
   places = [_param_spec(mesh, rules, spec, leaf.shape)
             for leaf, spec in zip(leaves, tree.flatten_up_to(specs))]
+  split = {a for place in places for axes in place if axes
+           for a in ((axes,) if isinstance(axes, str) else axes)}
+  if not any(mesh.shape[a] > 1 for a in split & set(batch)):
+    return params  # no weight split over the batch axes, no gather to order: a copy for nothing
 
   def tie(first, leaves):
     s = jnp.abs(first[0])
