@@ -202,6 +202,28 @@ def test_an_asynchronous_plan_file_sets_the_split(tmp_path):
     assert (a.staleness, a.generation_devices) == want
 
 
+def test_a_split_that_does_not_say_colocated_is_read_one_way(tmp_path):
+  """A hand-written split without "colocated" (plan_search writes it on every split): the
+  trainer runs it as a split (generation on 4, no copy of the actor on the training devices),
+  and plan_search's readers size and check it so; they took it as colocated (a copy of the
+  actor counted, generation on all 8 devices)."""
+  import types
+  from rlhfuse_jax.sim import plan_search
+  from tests.test_plan import plan_json
+  path = plan_json(tmp_path / "plan.json", {"mode": "instances", "tp": 1})
+  plan = json.loads(open(path).read())
+  plan["async"] = {"generation_devices": 4, "training_devices": 4, "staleness": 1}
+  (tmp_path / "plan.json").write_text(json.dumps(plan))
+  a = tiny_config(**{"plan.file": path}).async_ppo
+  assert (a.staleness, a.generation_devices, a.keeps_actor_copy) == (1, 4, False)
+  # (actor_copy is read only for a plan without a split)
+  wl = types.SimpleNamespace(actor_copy=True, actor=types.SimpleNamespace(weight_bytes=lambda: 7))
+  assert plan_search.keeps_actor_copy(wl, plan) is False
+  # the generation group's own actor, counted on a split's group alone
+  assert plan_search.group_actor_bytes(wl, types.SimpleNamespace(trainer_runnable=True),
+                                       plan) == 7.0
+
+
 def test_async_fields_without_staleness_are_said_to_do_nothing(tmp_path, caplog):
   with caplog.at_level("WARNING"):
     PPOTrainer(tiny_config(**{"async_ppo.objective": "decoupled"}), str(tmp_path))

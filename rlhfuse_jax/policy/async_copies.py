@@ -14,6 +14,20 @@ from __future__ import annotations
 # wrote the literal 1: changed in one, a hand-written split would have run at one k and been
 # sized for another.
 SPLIT_STALENESS = 1
+# Whether a plan's split that does not say ("colocated" absent) runs both groups on all the
+# devices: no, it is a split (generation on its generation_devices, training on the rest), as
+# the trainer maps it (trainer/plan_file.py) and docs/usage.md's plan file describes it
+# (plan_search writes the key on every split). Until 2026-12-07 plan_search's readers took such
+# a split as colocated: a hand-written 4 / 4 split that the trainer ran without a copy of the
+# actor was sized with one and timed serially.
+SPLIT_COLOCATED = False
+
+
+def split_colocated(split) -> bool:
+  """Whether a plan's asynchronous split (its "async" entry, a mapping, or None where the plan
+  has none) leaves generation on all the devices: no split, or one whose "colocated" is true
+  (SPLIT_COLOCATED where it does not say)."""
+  return split is None or bool(split.get("colocated", SPLIT_COLOCATED))
 
 
 def keeps_actor_copy(staleness: int, generation_devices: int) -> bool:

@@ -702,8 +702,8 @@ def inference_rows(wl, opt, plan: dict) -> int:
   split over the inference mesh's data = g / tp (trainer/rollout.PlannedStage)."""
   if not opt.trainer_runnable:
     return opt.inference_microbatch
-  split = plan.get("async") or {}
-  g = wl.num_devices if split.get("colocated", True) else split["generation_devices"]
+  split = plan.get("async")
+  g = wl.num_devices if async_copies.split_colocated(split) else split["generation_devices"]
   gen, tp = plan["generation"], plan["inference"]["tp"]
   if gen["mode"] == "instances":
     return wl.inference_micro_batch or gen["slots"]
@@ -742,7 +742,7 @@ def keeps_actor_copy(wl, plan: dict) -> bool:
   if split:
     return async_copies.keeps_actor_copy(
         split.get("staleness", async_copies.SPLIT_STALENESS),
-        0 if split.get("colocated", True) else split["generation_devices"])
+        0 if async_copies.split_colocated(split) else split["generation_devices"])
   return bool(wl.actor_copy)
 
 
@@ -773,8 +773,8 @@ def group_actor_bytes(wl, opt, plan: dict) -> float:
   into its generation layout). Until 2026-12-07 not counted: 33B on 64 H100s (batch 128,
   mini-batch 64, staleness 1) was given generation on 32 devices in instances of tp4 at 33.4
   GiB a device, where the trainer holds 60.6 GiB more."""
-  split = plan.get("async") or {}
-  if not opt.trainer_runnable or split.get("colocated", True):
+  split = plan.get("async")
+  if not opt.trainer_runnable or async_copies.split_colocated(split):
     return 0.0
   return float(wl.actor.weight_bytes())
 
@@ -821,8 +821,8 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
   if opt.trainer_runnable:
     wl = trainer_workload(wl)
   n, b = wl.num_devices, wl.global_batch
-  split = plan.get("async") or {}
-  g = n if split.get("colocated", True) else split["generation_devices"]
+  split = plan.get("async")
+  g = n if async_copies.split_colocated(split) else split["generation_devices"]
   t = n if g == n else n - g
   gen, inf, train = plan["generation"], plan["inference"], plan["training"]
   prompts, _ = wl.sample_lengths()
@@ -1017,7 +1017,7 @@ def plan_json_choice(wl, best: Optional[dict], async_best: Optional[dict]) -> st
   synchronous time there: 7B/7B on 16 H100s (batch 64, mini-batch 32, 64 new tokens,
   staleness 1, trainer_runnable) wrote the synchronous plan (0.997 s) that such a run takes
   1.130 s with, over the 8 / 8 split's 1.052 s."""
-  if async_best is None or async_best["async"].get("colocated", True):
+  if async_best is None or async_copies.split_colocated(async_best["async"]):
     return "synchronous" if best is not None else "asynchronous"
   if best is None or wl.actor_copy:
     return "asynchronous"
@@ -1050,8 +1050,8 @@ def trainer_refusal(wl, plan: dict, host_devices: Optional[int] = None) -> Optio
   the rollout batch, training on the others. What a run's config pins (micro-batch counts, the
   fusions, fields set away from their defaults) is not known here: `accept` of `search`."""
   n, a, c, b = wl.num_devices, wl.actor, wl.critic, wl.global_batch
-  split = plan.get("async") or {}
-  g = n if split.get("colocated", True) else split["generation_devices"]
+  split = plan.get("async")
+  g = n if async_copies.split_colocated(split) else split["generation_devices"]
   t = n if g == n else n - g
   if not 0 < g <= n:
     return f"a generation group of {g} of the {n} devices"
@@ -1138,7 +1138,7 @@ def _memory_refusal(cost: CostModel, wl, opt, plan: dict) -> Optional[str]:
   rows = plan_memory(cost, wl, opt, plan)
   # (the training candidates were searched beside the frozen weights sim.offload_frozen
   # keeps: not beside those the trainer's pipeline stage keeps on the training devices)
-  on_training = (plan.get("async") or {}).get("colocated", True)
+  on_training = async_copies.split_colocated(plan.get("async"))
   kept_anyway = keeps_frozen_on_mesh(opt, plan) and opt.offload_frozen and on_training
   checked = rows if keeps_actor_copy(wl, plan) or kept_anyway else [
       r for r in rows if r["stage"] in ("generation", "inference", *RESCORE_STAGES.values())]

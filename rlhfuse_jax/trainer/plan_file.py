@@ -42,7 +42,7 @@ def plan_devices(plan: Mapping[str, Any]) -> Optional[int]:
   """How many devices the plan file's plan was searched for (plan_search's num_devices: an
   asynchronous split's two groups, else training's devices); None when it does not say."""
   a = plan.get("async")
-  if isinstance(a, Mapping) and not a.get("colocated", False):
+  if isinstance(a, Mapping) and not async_copies.split_colocated(a):
     parts = (a.get("generation_devices"), a.get("training_devices"))
   else:
     parts = (plan["training"].get("devices"),)
@@ -162,7 +162,8 @@ def plan_file_settings(plan: Mapping[str, Any], path: str) -> dict[tuple[str, st
     raise ValueError(f"{where}: async={a!r}; expected an object {{generation_devices, "
                      "training_devices, staleness, colocated} (plan_search's asynchronous "
                      "plan; a synchronous plan has no \"async\" entry)")
-  colocated, gen_devices = a.get("colocated", False), a.get("generation_devices", 0)
+  colocated = a.get("colocated", async_copies.SPLIT_COLOCATED)
+  gen_devices = a.get("generation_devices", 0)
   if not isinstance(colocated, bool):
     raise ValueError(f"{where}: async.colocated={colocated!r}; expected true or false")
   # A string "4" was taken (plan_devices then knew no device count: the warning of a plan
@@ -609,7 +610,7 @@ def plan_fsdp_error(mesh: Mapping[str, Any], path: str,
   fsdp, tensor, stage = (mesh.get(k, 1) for k in ("fsdp", "tensor", "stage"))
   devices = plan_devices(plan)
   a = plan.get("async")
-  if devices and isinstance(a, Mapping) and not a.get("colocated", False):
+  if devices and isinstance(a, Mapping) and not async_copies.split_colocated(a):
     devices = a["training_devices"]
   replica = tensor * stage * fsdp if all(_is_int(x) for x in (fsdp, tensor, stage)) else 0
   if not (replica and fsdp > 1 and devices and replica > max(devices, available or 0)):
