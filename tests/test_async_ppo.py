@@ -190,16 +190,22 @@ def test_bad_async_settings_name_the_field(tmp_path, override, message):
 
 def test_an_asynchronous_plan_file_sets_the_split(tmp_path):
   """plan_search's asynchronous plan (sim.staleness >= 1) carries the device split; its
-  colocated form (both groups on all devices, no overlap) sets nothing."""
+  colocated form (both groups on all devices, no overlap) its staleness, with no generation
+  group: it set nothing, and the run went synchronous (its own staleness 0) where the search
+  timed and sized an asynchronous run. A run's staleness that differs is refused, naming
+  both."""
   from tests.test_plan import plan_json
   path = plan_json(tmp_path / "plan.json", {"mode": "instances", "tp": 1})
   plan = json.loads(open(path).read())
-  for colocated, want in ((False, (1, 4)), (True, (0, 0))):
+  for colocated, want in ((False, (1, 4)), (True, (1, 0))):
     plan["async"] = {"generation_devices": 4, "training_devices": 4, "staleness": 1,
                      "colocated": colocated}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     a = tiny_config(**{"plan.file": path}).async_ppo
     assert (a.staleness, a.generation_devices) == want
+  with pytest.raises(ValueError) as e:
+    tiny_config(**{"plan.file": path, "async_ppo.staleness": 2})
+  assert "async.staleness" in str(e.value) and "async_ppo.staleness" in str(e.value), e.value
 
 
 def test_a_split_that_does_not_say_colocated_is_read_one_way(tmp_path):

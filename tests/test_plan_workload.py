@@ -567,3 +567,7 @@ def test_a_split_without_its_staleness_is_read_with_one_default_by_trainer_and_s
   wl = iteration_sim.Workload(actor=get_shape("llama-7b"),
                               critic=get_shape("llama-7b", "scalar"), actor_copy=False)
   assert plan_search.keeps_actor_copy(wl, {"async": {"colocated": True}}) is (default > 0)
+  # and the trainer runs a colocated entry at that k too, with no generation group
+  settings = plan_file_lib.plan_file_settings({**plan, "async": {"colocated": True}}, "plan.json")
+  assert (settings["async_ppo", "staleness"][0],
+          settings["async_ppo", "generation_devices"][0]) == (default, 0)

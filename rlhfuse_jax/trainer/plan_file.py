@@ -89,7 +89,8 @@ def plan_file_settings(plan: Mapping[str, Any], path: str) -> dict[tuple[str, st
   colocated (tp, actor_pp, critic_pp) maps onto mesh.tensor, mesh.stage and pipeline.critic_pp
   (mesh.data takes the remaining devices), and optim.zero1 is on (the simulator's memory check
   assumes it); a disjoint placement is refused. An asynchronous
-  plan's split ("async": generation_devices, staleness) maps onto config.async_ppo."""
+  plan's split ("async": generation_devices, staleness) maps onto config.async_ppo; colocated,
+  its staleness with generation_devices 0."""
   gen, inf, train = plan["generation"], plan["inference"], plan["training"]
   where = f"config.plan.file={path!r}"
   _refuse_unknown(where, plan, PLAN_KEYS, "a plan file")
@@ -180,10 +181,15 @@ def plan_file_settings(plan: Mapping[str, Any], path: str) -> dict[tuple[str, st
     raise ValueError(f"{where}: async.generation_devices={gen_devices!r} with async.colocated="
                      "false; expected an integer >= 1 (the devices of the split's generation "
                      "group; a synchronous plan has no \"async\" entry)")
-  if not colocated:
-    out["async_ppo", "staleness"] = (a.get("staleness", async_copies.SPLIT_STALENESS),
-                                     "async.staleness")
-    out["async_ppo", "generation_devices"] = (gen_devices, "async.generation_devices")
+  # Colocated (async_search's colocated option: both groups on all the devices) the search
+  # timed it asynchronously (no critic on the instances, a rescore) and sized it with the
+  # copy of the actor its staleness keeps (sim/plan_search.async_colocated_predicted,
+  # keeps_actor_copy): until 2026-12-07 it set nothing, and a run at its own staleness (0 by
+  # default: synchronous) ran another plan than the one searched, without a word.
+  out["async_ppo", "staleness"] = (a.get("staleness", async_copies.SPLIT_STALENESS),
+                                   "async.staleness")
+  out["async_ppo", "generation_devices"] = ((0, "async.colocated") if colocated else
+                                            (gen_devices, "async.generation_devices"))
   return out
 
 
