@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 
+from rlhfuse_jax.generation import timeline as timeline_lib
 from rlhfuse_jax.generation.multihost import EXIT_PEER_LOST
 from rlhfuse_jax.models import llama
 from tests import fused_mp_worker as worker
@@ -154,6 +155,14 @@ def test_bench_generation_through_the_launcher(tmp_path):
   assert (f["cross_host_migrated_bytes"] + f["same_host_migrated_bytes"] ==
           f["migration_copied_bytes"])
   assert result["baseline"]["migrated_samples"] == 0
+  # The inference overlap over both processes' instances (as the trainer's
+  # fusion/inference_overlap_frac), not process 0's own (its timeline panel's) alone.
+  rows = f["inference_overlap_by_process"]
+  assert len(rows) == 2 and sum(r[2] for r in rows) > 0, rows
+  own = timeline_lib.Timeline.from_json(result["timelines"]["panels"]["fused"]["timeline"])
+  np.testing.assert_allclose(rows[0], own.overlap_figures, rtol=1e-6)
+  assert f["inference_overlap_frac"] == pytest.approx(
+      timeline_lib.combined_overlap(rows)[1], rel=1e-12)
 
 
 def test_a_process_that_dies_or_hangs_fails_the_other_with_a_clear_error(tmp_path):

@@ -247,13 +247,15 @@ def test_bench_generation_summary_derives_exposed_inference_cpu_share_and_same_h
           "gen/migration_cross_host_bytes", "gen/migration_same_host_s",
           "gen/migration_cross_host_s", "gen/migration_cross_host_compile_s",
           "fusion/weight_load_s", "fusion/weight_load_bytes", "timing_s/actor_to_instances",
-          "gen/decode_rounds", "gen/instance_chunks", "gen/unfinished_curve")
+          "gen/decode_rounds", "gen/instance_chunks", "gen/unfinished_curve",
+          "fusion/inference_overlap_frac")
   metrics = {k: float(i) for i, k in enumerate(keys)}
   metrics.update({"cpu_s": 6.0, "gen/migrated_samples": 10, "gen/migrated_samples_cross_host": 3,
                   "gen/migration_copied_bytes": 1000, "gen/migration_cross_host_bytes": 400})
   timeline = types.SimpleNamespace(gen_plus_inf_s=5.0, gen_end_s=3.5, instance_busy_frac=0.5,
                                    inference_overlap_frac=0.25)
-  out = types.SimpleNamespace(metrics=metrics, timeline=timeline, rt=0.2, consolidations=[])
+  out = types.SimpleNamespace(metrics=metrics, timeline=timeline, rt=0.2, consolidations=[],
+                              overlap_figures=[[1, 0.5, 2.0], [0, 0.0, 1.0]])
   s = bg.summarize(out, wall_s=3.0)
   assert s["gen_plus_inf_s"] == 5.0 and s["gen_s"] == 3.5 and s["wall_s"] == 3.0
   assert s["inference_exposed_s"] == 1.5
@@ -264,8 +266,12 @@ def test_bench_generation_summary_derives_exposed_inference_cpu_share_and_same_h
                      ("cross_host_migration_s", "gen/migration_cross_host_s"),
                      ("migrated_kv_bytes", "gen/migrated_kv_bytes"),
                      ("weight_load_s", "fusion/weight_load_s"),
-                     ("actor_to_instances_s", "timing_s/actor_to_instances")):
+                     ("actor_to_instances_s", "timing_s/actor_to_instances"),
+                     # every process's instances, as the trainer logs it (the timeline's own,
+                     # 0.25 here, is process 0's)
+                     ("inference_overlap_frac", "fusion/inference_overlap_frac")):
     assert s[field] == metrics[key], field
+  assert s["inference_overlap_by_process"] == out.overlap_figures
 
 
 def test_bench_generation_median_run_is_the_upper_median_by_wall_time():

@@ -223,6 +223,10 @@ class FusedOutput:
   rt_choice: Optional[rt_choice.RtChoice]  # how "auto" chose it
   no_migration: list  # why a due consolidation moved nothing (distinct reasons, in order)
   metrics: dict  # gen/*, fusion/*, timing_s/* of docs/architecture.md §2 (_Run._execute)
+  # [P, 3] each process's Timeline.overlap_figures, that fusion/inference_overlap_frac and
+  # fusion/loaded_before_gen_end combine (overlap_figures_over_processes); [] without
+  # inference models
+  overlap_figures: list = dataclasses.field(default_factory=list)
 
 
 def check_layout(config: FusedGenConfig, batch_size: int, num_devices: int) -> None:
@@ -1239,6 +1243,7 @@ class _Run:
         "timing_s/gen_plus_inf": gen_plus_inf,
         "timing_s/actor_to_instances": place_s,
     }
+    figures = []
     if self.models:
       # Why an overlap is 0: instances freed for inference before generation ended (released
       # by the consolidation or done with their samples; set by the tokens, not by timing),
@@ -1246,13 +1251,15 @@ class _Run:
       # the overlap, over every process's instances. Not for a batch without inference
       # models: it frees none by design, and the progress line said "no instance freed" of one
       # whose consolidation had released two.
-      loaded, overlap = overlap_over_processes(tl, gen.exchange)
+      figures = overlap_figures_over_processes(tl, gen.exchange)
+      loaded, overlap = combined_overlap(figures)
       metrics["fusion/inference_overlap_frac"] = overlap
       metrics["fusion/freed_before_gen_end"] = self.freed_before_end
       metrics["fusion/loaded_before_gen_end"] = loaded
     return FusedOutput(rollout=rollout, ref_logp=out.get("reference"), values=out.get("critic"),
                        rewards=out.get("reward"), timeline=tl, consolidations=cons, rt=self.rt,
-                       rt_choice=None, no_migration=list(self.reasons), metrics=metrics)
+                       rt_choice=None, no_migration=list(self.reasons), metrics=metrics,
+                       overlap_figures=[[float(x) for x in f] for f in figures])
 
 
 def overlap_over_processes(tl: Timeline, exchange: multihost.Exchange) -> tuple:
@@ -1263,11 +1270,16 @@ def overlap_over_processes(tl: Timeline, exchange: multihost.Exchange) -> tuple:
   all-gather of each process's `Timeline.overlap_figures` (float32 seconds: ample for a
   ratio), called by every process at the same point of `run`, under the exchanges' peer-loss
   guard like every other."""
+  return combined_overlap(overlap_figures_over_processes(tl, exchange))
+
+
+def overlap_figures_over_processes(tl: Timeline, exchange: multihost.Exchange):
+  """[P, 3]: every process's `Timeline.overlap_figures` (overlap_over_processes)."""
   figures = [tl.overlap_figures]
   if exchange.multi:
     figures = exchange.allgather(np.asarray(figures[0], np.float32),
                                  "the instances' inference overlap")  # [P, 3]
-  return combined_overlap(figures)
+  return figures
 
 
 def _sequences(prompts, prompt_lens, responses, response_lens, pad_id: int) -> np.ndarray:
