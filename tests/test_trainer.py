@@ -1,6 +1,7 @@
 """The PPO loop: sharded == single device, critic-free estimators, config errors. (Resume
 exactness: tests/test_faults.py.)"""
 import dataclasses
+import json
 import logging
 import re
 import os
@@ -1026,6 +1027,29 @@ def test_a_format_weight_the_command_line_left_without_its_format_is_not_warned_
   text = _validate_warnings(caplog, {"reward.format": "boxed_format",
                                      "reward.format_weight": 0.1}, given=("reward.format",))
   assert "not used" not in text, text
+
+
+def test_held_out_fields_beside_an_evaluation_the_command_line_turned_off(caplog, tmp_path):
+  """configs/ppo_hf.py sets data.val_file and data.val_max_prompts beside eval_every=25:
+  --config.eval_every=0 was warned of as leaving them unused, values the user never set. Those
+  the command line set, or a config file's beside its own eval_every=0, still are; and
+  data.val_fraction whoever set it (it still holds its prompts out of training)."""
+  val = tmp_path / "val.jsonl"
+  val.write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "target": str(i + 1)}) + "\n"
+                         for i in range(4)))
+  preset = {"data.val_file": str(val), "data.val_max_prompts": 5, "eval_every": 0}
+  said = {"val_file": f"config.data.val_file={str(val)!r}",
+          "val_max_prompts": "config.data.val_max_prompts=5"}
+  for given, warned in (((), ("val_file", "val_max_prompts")), (("eval_every",), ()),
+                        (("eval_every", "data.val_max_prompts"), ("val_max_prompts",)),
+                        (("data.val_file",), ("val_file", "val_max_prompts"))):
+    text = _validate_warnings(caplog, preset, given=given)
+    assert ("eval_every=0 runs no validation pass" in text) == bool(warned), (given, text)
+    for field, line in said.items():
+      assert (line in text) == (field in warned), (given, field, text)
+  text = _validate_warnings(caplog, {"data.val_fraction": 0.25, "eval_every": 0},
+                            given=("eval_every",))
+  assert "config.data.val_fraction=0.25 not used: eval_every=0" in text, text
 
 
 def test_a_discount_an_estimator_does_not_take_is_warned_about(caplog, monkeypatch):

@@ -68,14 +68,33 @@ def _reward_unused(cfg: TrainConfig) -> list[str]:
   return set_fields(cfg, "reward", ["function"])
 
 
+def _unused_beside_switch(cfg: TrainConfig, given: Collection[str], switch: str, section: str,
+                          names: Sequence[str]) -> list[str]:
+  """set_fields(cfg, section, names) of fields a `switch` leaves unused, but where the command
+  line set the switch (turned it off) only those it also set: the others are the config file's,
+  set beside the switch the user turned off, not settings of the user's that go unused."""
+  if switch in given:
+    names = [n for n in names if f"{section}.{n}" in given]
+  return set_fields(cfg, section, names) if names else []
+
+
 def _format_weight_unused(cfg: TrainConfig, given: Collection[str]) -> list[str]:
   """reward.format_weight set without a reward.format, unless the command line cleared the
   format and left the weight alone: then the weight is the config file's, set beside the format
   the user turned off (configs/ppo_hf.py's 0.1 beside gsm8k_format: --config.reward.format=''
   was warned of as leaving it unused, although the user set no weight)."""
-  if cfg.reward.format or ("reward.format" in given and "reward.format_weight" not in given):
+  if cfg.reward.format:
     return []
-  return set_fields(cfg, "reward", ["format_weight"])
+  return _unused_beside_switch(cfg, given, "reward.format", "reward", ["format_weight"])
+
+
+def _validation_unused(cfg: TrainConfig, given: Collection[str]) -> list[str]:
+  """The held-out set's fields with eval_every=0, unless the command line turned evaluation off
+  and left them alone (configs/ppo_hf.py's val_file and val_max_prompts: --config.eval_every=0
+  was warned of as leaving them unused, although the user set neither). data.val_fraction is
+  said whoever set it: it still holds its prompts out of training."""
+  return (set_fields(cfg, "data", ["val_fraction"]) +
+          _unused_beside_switch(cfg, given, "eval_every", "data", ["val_file", "val_max_prompts"]))
 
 
 def _task_prompt_fields(cfg: TrainConfig) -> list[str]:
@@ -255,7 +274,7 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
   mesh's; fewer with async_ppo.generation_devices). weights=False: an export's, which reads no
   HF checkpoint's weights (build.reward_model_config). `given`: the fields the command line set
   ("reward.format"; train_ppo's --config.* flags), which tells a setting of the user's from the
-  config file's (_format_weight_unused)."""
+  config file's (_format_weight_unused, _validation_unused)."""
   check_trained_dtypes(cfg)
   n_gen = mesh.devices.size if generation_devices is None else generation_devices
   g = cfg.async_ppo.generation_devices
@@ -363,7 +382,7 @@ def validate(cfg: TrainConfig, mesh: jax.sharding.Mesh,
     warn_unused(set_fields(cfg, "data", ["val_max_prompts"]), "no held-out prompts (set "
                 "data.val_file or data.val_fraction, and eval_every)")
   elif not cfg.eval_every:
-    warn_unused(set_fields(cfg, "data", ["val_file", "val_fraction", "val_max_prompts"]),
+    warn_unused(_validation_unused(cfg, given),
                 "eval_every=0 runs no validation pass (a data.val_fraction still holds its "
                 "prompts out of training, so that a resume with eval_every > 0 validates on "
                 "them)")
