@@ -80,12 +80,15 @@ def get_config(arg: str = "ppo"):
   c.checkpoint.export_hf = "auto"  # the checkpoint's own family: llama
 
   # 'reward_model' is PPO's; '_reward_model' after any other variant clears its verifier too.
+  # One name a config: 'ppo_reward_model' was an undocumented second name of 'reward_model'.
   base = "ppo" if arg == "reward_model" else arg.removesuffix(REWARD_MODEL_SUFFIX)
   algo, _, size = base.partition("_")
-  if algo not in ("ppo", "grpo") or size not in ("", "gpu"):
+  if (algo not in ("ppo", "grpo") or size not in ("", "gpu") or
+      arg == "ppo" + REWARD_MODEL_SUFFIX):
     raise ValueError(f"configs/ppo_hf.py: unknown variant {arg!r}; expected 'ppo', 'grpo', "
-                     "'ppo_gpu', 'grpo_gpu' or 'reward_model', or one of the others followed "
-                     f"by {REWARD_MODEL_SUFFIX!r} ('grpo_gpu_reward_model')")
+                     "'ppo_gpu', 'grpo_gpu', 'reward_model' (PPO's with a reward model), or "
+                     f"'grpo', 'ppo_gpu' or 'grpo_gpu' followed by {REWARD_MODEL_SUFFIX!r} "
+                     "('grpo_gpu_reward_model')")
   if algo == "grpo":
     c.algo.estimator = "grpo"
     c.rollout.prompts_per_iteration = 4

@@ -257,6 +257,20 @@ def test_llama_bad_variants():
       ppo_llama.get_config(bad)
 
 
+def test_ppo_hf_variants_have_one_name_each():
+  """configs/ppo_hf.py's reward-model form of PPO is 'reward_model' (its docstring, docs/usage.md
+  and docs/own_model.md list no other): 'ppo_reward_model' gave the same config under a second,
+  undocumented name. Refused, the message naming the one to use; misspellings likewise."""
+  from configs import ppo_hf
+  for bad in ("ppo_reward_model", "gpu", "ppo_cpu", "reward_model_reward_model"):
+    with pytest.raises(ValueError, match="unknown variant") as e:
+      ppo_hf.get_config(bad)
+    assert "'reward_model' (PPO's with a reward model)" in str(e.value), e.value
+  assert set(_variants("ppo_hf")) == {"ppo_gpu", "grpo_gpu", "grpo", "reward_model",
+                                      "grpo_reward_model", "ppo_gpu_reward_model",
+                                      "grpo_gpu_reward_model"}
+
+
 @pytest.mark.parametrize("variant", ["", "fused", "grpo"])
 def test_every_ppo_tiny_sweep_entry_is_a_valid_run_of_its_variant(variant):
   """sweep --config=configs/ppo_tiny.py:VARIANT gives get_sweep the variant: every entry must be
