@@ -33,6 +33,7 @@ from rlhfuse_jax.trainer.loop import PPOTrainer
 from tests.test_train_ppo_binary import COMPILE_LOG, METRIC_NAMES, REPO, _cmd, _env, _steps
 from tests.test_trainer import _deterministic, _params, tiny_config
 from tests.test_workdir import _hold_as
+from tests.xla_env import subprocess_env
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 
@@ -1190,27 +1191,20 @@ def test_a_resume_may_lay_the_state_out_on_the_devices_it_has(tmp_path, straight
 
 
 # ------------------------------------------------------------------------------ processes
-def test_kill_9_then_resume_equals_the_uninterrupted_run(tmp_path):
+def test_kill_9_then_resume_equals_the_uninterrupted_run(tmp_path, straight):
   """The binary end to end: what a run writes; kill -9 mid-run, the same command resumes and
   gives the uninterrupted run's metrics; once more, it says the run is finished and compiles
-  nothing. (Continuing to a larger num_iterations: test_raising_num_iterations_...)"""
+  nothing. (Continuing to a larger num_iterations: test_raising_num_iterations_...)
+
+  The binary runs on the suite's 8 devices, as `straight` does: the uninterrupted run is that
+  fixture's (SMALL is tiny_config; checkpoint.every changes no metric). A third binary start
+  for it trained the same 6 iterations again; on 8 devices the binary's rows equal the
+  fixture's bitwise, and its starts load the fixture's programs from the compilation cache."""
+  want = straight[3]
   n = ["--config.num_iterations=6", "--config.checkpoint.every=1"]
-  straight = str(tmp_path / "straight")
-  # The uninterrupted run saves only at its end (nothing here reads its checkpoints; five
-  # saves fewer): checkpoint.every changes no metric (the resumed run's rows equal these).
-  subprocess.run(_cmd(straight, *n, "--config.checkpoint.every=6"), cwd=REPO, env=_env(),
-                 check=True, capture_output=True, timeout=600)
-  for name in ("config.json", "metrics.jsonl", "result.json"):
-    assert os.path.exists(os.path.join(straight, name)), name
-  assert os.listdir(os.path.join(straight, "tb")), "no TensorBoard events"
-  result = json.load(open(os.path.join(straight, "result.json")))
-  assert (result["status"], result["iterations"], result["num_iterations"]) == ("done", 6, 6)
-  assert not [k for k, v in result["final"].items() if isinstance(v, list)]
-  first = wd.read_jsonl(os.path.join(straight, "metrics.jsonl"))[0]
-  for key in METRIC_NAMES:  # docs/architecture.md §1
-    assert key in first, key
+  env = lambda **extra: subprocess_env(8, **extra)
   run = str(tmp_path / "run")
-  proc = subprocess.Popen(_cmd(run, *n), cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
+  proc = subprocess.Popen(_cmd(run, *n), cwd=REPO, env=env(), stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)
   deadline = time.time() + 300
   while not (os.path.exists(os.path.join(run, "metrics.jsonl")) and len(_steps(run)) >= 3):
@@ -1218,15 +1212,24 @@ def test_kill_9_then_resume_equals_the_uninterrupted_run(tmp_path):
     time.sleep(0.05)
   proc.send_signal(signal.SIGKILL)  # mid-iteration or mid-save: whatever it was doing
   proc.wait(timeout=60)
-  out = subprocess.run(_cmd(run, *n), cwd=REPO, env=_env(), capture_output=True, text=True,
+  out = subprocess.run(_cmd(run, *n), cwd=REPO, env=env(), capture_output=True, text=True,
                        timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "resumed from checkpoint at iteration" in out.stderr
-  rows, want = (wd.read_jsonl(os.path.join(d, "metrics.jsonl")) for d in (run, straight))
+  rows = wd.read_jsonl(os.path.join(run, "metrics.jsonl"))
   assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # no step repeated or lost
   assert _deterministic(rows) == _deterministic(want)
+  # What the run wrote (the resumed start finished it).
+  for name in ("config.json", "metrics.jsonl", "result.json"):
+    assert os.path.exists(os.path.join(run, name)), name
+  assert os.listdir(os.path.join(run, "tb")), "no TensorBoard events"
+  result = json.load(open(os.path.join(run, "result.json")))
+  assert (result["status"], result["iterations"], result["num_iterations"]) == ("done", 6, 6)
+  assert not [k for k, v in result["final"].items() if isinstance(v, list)]
+  for key in METRIC_NAMES:  # docs/architecture.md §1
+    assert key in rows[0], key
   # The same command again: the run is finished, so it says so without compiling anything.
-  out = subprocess.run(_cmd(run, *n), cwd=REPO, env=_env(JAX_LOG_COMPILES="1"), check=True,
+  out = subprocess.run(_cmd(run, *n), cwd=REPO, env=env(JAX_LOG_COMPILES="1"), check=True,
                        capture_output=True, text=True, timeout=600)
   assert "workdir already has 6 iterations (num_iterations=6): nothing to train" in out.stderr
   assert COMPILE_LOG not in out.stderr, out.stderr[-3000:]
