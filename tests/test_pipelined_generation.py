@@ -278,3 +278,51 @@ def test_bench_pipelined_tiny(tmp_path):
     stored = json.load(f)
   assert stored["pipelined"]["stage_busy_frac"] == p["stage_busy_frac"]
   assert os.path.getsize(tmp_path / "schedule_pipelined.png") > 5_000
+
+
+def _live_bytes() -> dict:
+  """Bytes of live device buffers per device id (each buffer once: a shard's .data is a view)."""
+  seen, out = set(), {}
+  for a in jax.live_arrays():
+    for s in a.addressable_shards:
+      key = (s.device.id, s.data.unsafe_buffer_pointer())
+      if key not in seen:
+        seen.add(key)
+        out[s.device.id] = out.get(s.device.id, 0) + s.data.nbytes
+  return out
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_place_holds_one_stage_share_per_device(scan_layers):
+  """`place` of an actor on devices (the trainer's, here replicated over all 8) copies each
+  stage only its own layers: stacking first held a second whole copy of the layers on every
+  device until the put ended (+ layers + share: issue 25's transient, a 65B actor's layers
+  twice on a device). Live bytes per device are sampled at every call and return of this
+  package's functions while it runs; the result is bitwise the host-placed tree."""
+  cfg = CFG.replace(scan_layers=scan_layers)
+  gen = pipelined.PipelinedGenerator(cfg, SAMPLING, batch_size=B, prompt_len=P, stages=4,
+                                     groups=4)
+  host = llama.host_random_params(cfg, 0)
+  actor = jax.device_put(host, mesh_lib.replicated(mesh_lib.make_mesh(
+      mesh_lib.MeshConfig(data=8), jax.devices())))
+  stacked = pipelined.stack_params(cfg, host, 4)["layers"]
+  share = sum(x.nbytes for x in jax.tree.leaves(stacked)) // 4
+  leaf = max(x.nbytes for x in jax.tree.leaves(stacked)) // 4  # one leaf's transient copy
+  base, peak = _live_bytes(), {}
+
+  def sample(frame, event, arg):
+    if event in ("call", "return") and "rlhfuse_jax" in frame.f_code.co_filename:
+      for d, n in _live_bytes().items():
+        peak[d] = max(peak.get(d, 0), n)
+  sys.setprofile(sample)
+  try:
+    placed = gen.place(actor)
+  finally:
+    sys.setprofile(None)
+  for d in range(4):  # the embedding and head are the actor's own buffers (relabelled)
+    assert share <= peak[d] - base[d] <= share + leaf, (d, peak[d] - base[d], share)
+  want = gen.place(host)
+  assert jax.tree.structure(placed) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(want)):
+    assert a.sharding == b.sharding
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

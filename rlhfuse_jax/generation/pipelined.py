@@ -511,9 +511,41 @@ class PipelinedGenerator:
     if is_staged(params):
       check_staged(self.cfg, params, self.stages, self.fields[0])
       staged = params
-    else:
+    elif (self.split.is_fully_addressable and
+          all(mesh_lib.movable_locally(x) for x in jax.tree.leaves(params))):
+      return self._place_by_stage(params)
+    else:  # host arrays (a numpy reshape is a view) or multi-host
       staged = stack_params(self.cfg, params, self.stages)
     return mesh_lib.put(staged, self.param_shardings(staged))
+
+  def _place_by_stage(self, params: Any) -> dict:
+    """`place` of unpipelined device arrays: stage s's rows [1, L/pp, ...] of each layer leaf
+    are copied to stage s's device and stacked there. (Stacking first reshaped the whole layers
+    on the source devices: each held a second whole copy of them until the put ended, issue 25's
+    transient: a 65B actor's layers twice on a device.) Bitwise the stack_params tree."""
+    shapes = jax.eval_shape(functools.partial(stack_params, self.cfg, stages=self.stages), params)
+    devices, per = list(self.mesh.devices.flat), self.cfg.num_layers // self.stages
+
+    def scanned(x):  # [L, ...] -> stage s's rows [1, L/pp, ...] on stage s's device, each s
+      full = (slice(None),) * (x.ndim - 1)
+      rows = {d: (slice(s * per, (s + 1) * per),) + full for s, d in enumerate(devices)}
+      return [p[None] for p in mesh_lib.local_blocks(x, rows)]
+
+    def unrolled(*xs):  # L leaves [...] -> the same, stage s stacking its own layers' copies
+      whole = lambda x, d: mesh_lib.local_blocks(x, {d: (slice(None),) * x.ndim})[0]  # noqa: E731
+      return [jnp.stack([whole(x, d) for x in xs[s * per:(s + 1) * per]])[None]
+              for s, d in enumerate(devices)]
+
+    if "layers_0" in params:
+      shares = jax.tree.map(unrolled, *[params[f"layers_{i}"] for i in range(self.cfg.num_layers)])
+    else:
+      shares = jax.tree.map(scanned, params["layers"]["block"])
+    layers = jax.tree.map(
+        lambda shape, parts: jax.make_array_from_single_device_arrays(shape.shape, self.split,
+                                                                      parts),
+        shapes["layers"], shares, is_leaf=lambda x: isinstance(x, list))
+    return {"embed": mesh_lib.put(params["embed"], self.rep), "layers": layers,
+            "head": mesh_lib.put(params["head"], self.rep)}
 
   def _programs(self, staged):
     cfg, sampling, pp, g = self.cfg, self.sampling, self.stages, self.groups

@@ -422,6 +422,20 @@ def put(tree: Any, shardings: Any) -> Any:
   return jax.tree_util.tree_map(_put_leaf, tree, shardings)
 
 
+def local_blocks(x: jax.Array, blocks: dict) -> list[jax.Array]:
+  """{device: index into x} -> each block of `x` as a one-device array on its device, copied
+  device to device (_pieces), so no device holds more of `x` than it did plus its own blocks
+  (a reshaped or stacked copy of x put afterwards would first sit whole on x's devices). `x` and
+  every device this process's (callers check `movable_locally`)."""
+  return _pieces(x, blocks)
+
+
+def movable_locally(x: Any) -> bool:
+  """Whether `local_blocks` takes `x`: a jax array of this process's devices, not a key."""
+  return (isinstance(x, jax.Array) and x.is_fully_addressable
+          and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key))
+
+
 def shard_params(params: Any, logical_specs: Any, mesh: Mesh) -> Any:
   """Places parameters onto the mesh according to the logical rules."""
   return put(params, param_shardings(params, logical_specs, mesh))
