@@ -2692,6 +2692,46 @@ def test_a_synchronous_pipeline_keeps_the_frozen_models_beside_the_update(tmp_pa
   assert "frozen weights kept" not in ps.plan_memory(cost, wl, opt, inst)[2]["parts"]
 
 
+@pytest.mark.parametrize("tensor", [1, 2])
+def test_a_synchronous_pipelines_stages_hold_the_embedding_and_head_whole(tmp_path, tensor):
+  """plan.generation='pipeline' on the training devices: PipelinedGenerator.place gives every
+  stage the embedding and LM head whole beside its L/pp layers (measured here from the
+  trainer's buffers). From an actor replicated over the training mesh they are its own buffers;
+  from one split over tensor 2, new ones on each stage. plan_memory's generation row spread
+  them over pp (both ways): (1 - 1/pp) of them under-counted on a split actor's stages."""
+  from rlhfuse_jax.sim import iteration_sim as it
+  from rlhfuse_jax.sim import plan_search as ps
+  from rlhfuse_jax.trainer.config import TrainConfig
+  from rlhfuse_jax.trainer.loop import PPOTrainer
+  run = _async_run(**{"async_ppo.staleness": 0, "plan.generation": "pipeline",
+                      "plan.generation_pp": 2, "mesh.tensor": tensor})
+  run.model.num_layers = run.critic_model.num_layers = 2
+  trainer = PPOTrainer(TrainConfig.from_config_dict(run), str(tmp_path))
+  snapshot = trainer._snapshot()("actor")
+  own = {(s.device, s.data.unsafe_buffer_pointer()) for x in jax.tree.leaves(snapshot)
+         for s in x.addressable_shards}
+  staged = trainer.rollout.pipe.place(snapshot)
+  new, whole = {}, {}  # {device: bytes}: the stage's new buffers; its whole tree
+  for x in jax.tree.leaves(staged):
+    for s in x.addressable_shards:
+      whole[s.device] = whole.get(s.device, 0) + s.data.nbytes
+      if (s.device, s.data.unsafe_buffer_pointer()) not in own:
+        new[s.device] = new.get(s.device, 0) + s.data.nbytes
+  ends = sum(x.nbytes for part in ("embed", "head") for x in jax.tree.leaves(snapshot[part]))
+  layers = sum(x.nbytes for x in jax.tree.leaves(staged["layers"]))  # (global: all stages)
+  assert set(whole.values()) == {layers // 2 + ends}  # each stage: its layers and both ends
+  plan = {"generation": {"mode": "pipeline", "tp": 1, "pp": 2, "groups": 2, "slots": 16},
+          "inference": {"tp": 1, "pp": 1},
+          "training": {"placement": "colocated", "devices": 8, "tp": tensor, "actor_pp": 1,
+                       "critic_pp": 1}}
+  gen = ps.plan_memory(ps.CostModel(hardware.get_hardware("h100_sxm")),
+                       _tiny_workload(trainer.cfg),  # (resolved: the tokenizer's vocabulary)
+                       it.SimOptions(trainer_runnable=True), plan)[0]
+  assert len(set(new.values())) == 1
+  # (the final norm, 256 bytes, counts with the layers there and with the head here)
+  assert gen["parts"]["weights"] == pytest.approx(new.popitem()[1], rel=2e-3)
+
+
 @pytest.mark.parametrize("gen_tp", [1, 2])
 def test_a_groups_freed_instance_loads_its_own_critic_beside_the_whole_one(gen_tp):
   """async_ppo.staleness 0 with a generation group of instances: the group holds the critic

@@ -1654,3 +1654,28 @@ def test_the_uniform_layout_run_asynchronously_is_memory_checked_as_the_colocate
   assert not row["details"]["async"]["colocated"], row["details"]["plan"]
   assert row["iteration_s"] == best["predicted"]["iteration_s"]
   assert "does not fit in memory" in row["details"]["uniform_async_refused"]
+
+
+def test_the_trainers_pipeline_is_checked_with_the_embedding_and_head_on_every_stage():
+  """The trainer's generation pipeline holds the embedding and LM head whole on each stage
+  (PipelinedGenerator.param_shardings; measured in tests/test_plan_check.py). The search's
+  memory check of a pipeline spread them over pp: for 7B at pp 4 each stage's need was
+  (embed + head) * 3/4 short (~0.4 GB in bf16). With sim.trainer_runnable it counts them whole;
+  the papers' engines keep the spread."""
+  a = get_shape("llama-7b")
+  wl = it.Workload(actor=a, critic=a.as_critic(), num_devices=8, global_batch=64, minibatch=16)
+  prompts, resp = wl.sample_lengths()
+  need = {}
+  for runnable in (False, True):
+    seen = []
+    cost = CostModel(get_hardware("h100_sxm"))
+    cost.check_fits = lambda what, n, detail: seen.append((what, detail, n))  # noqa: E731
+    ps.generation_candidates(cost, wl, it.SimOptions(trainer_runnable=runnable), prompts, resp,
+                             {}, pps=(4,))
+    need[runnable] = [(int(re.search(r"tp=(\d+)", d)[1]), n) for w, d, n in seen
+                      if w.startswith("pipelined generation")]
+  assert 1 in {tp for tp, _ in need[True]} and len(need[True]) == len(need[False])
+  ends = 2 * a.vocab_size * a.hidden_size * a.weight_itemsize
+  for (tp, whole), (_, spread) in zip(need[True], need[False]):  # (over tp: the papers' tp)
+    assert whole - spread == pytest.approx(ends * 3 / 4 / tp), tp
+  assert 0.35 * GIB < ends * 3 / 4 < 0.4 * GIB

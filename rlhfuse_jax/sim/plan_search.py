@@ -126,12 +126,14 @@ def prefill_activation_bytes(cost: CostModel, actor: ModelShape, tp: int, rows: 
 def pipelined_generation(cost: CostModel, actor: ModelShape, num_devices: int, tp: int, pp: int,
                          groups: int, prompts: np.ndarray, resp: np.ndarray,
                          max_new_tokens: int, resident_bytes: float = 0.0,
-                         slot_len: int = 0, resident: str = "") -> dict:
+                         slot_len: int = 0, resident: str = "", whole_ends: bool = False) -> dict:
   """Delayed inter-batch pipelined generation of one batch (module docstring), beside
   `resident_bytes` per device of frozen weights (frozen_note; or of what `resident` names),
   its KV slots `slot_len` tokens
-  (0: the longest prompt + max_new_tokens; Workload.kv_slot_len). Returns {gen_s, prefill_s,
-  decode_s, ticks, stage_busy_frac, replicas, samples_per_replica}."""
+  (0: the longest prompt + max_new_tokens; Workload.kv_slot_len). `whole_ends`: every stage
+  holds the embedding and LM head (over tp), as the trainer's pipeline does (plan_memory); else
+  they are spread over the stages. Returns {gen_s, prefill_s, decode_s, ticks, stage_busy_frac,
+  replicas, samples_per_replica}."""
   if num_devices % (tp * pp):
     raise ValueError(f"pipelined generation: tp*pp={tp}*{pp} must divide {num_devices} devices")
   if groups < 1:
@@ -142,9 +144,12 @@ def pipelined_generation(cost: CostModel, actor: ModelShape, num_devices: int, t
   per_rep = -(-b // reps)
   slot_cap = slot_len or int(prompts.max()) + max_new_tokens
   per_group = -(-per_rep // groups)
+  # The ends beyond their 1/pp share of weight_bytes (whole on every stage).
+  ends = sum(end_params(actor)) * actor.weight_itemsize * (pp - 1) / (tp * pp) if whole_ends else 0
   # A stage prefills one group's prompts at a time (the groups one stage apart): one layer's
   # activations of them beside the cache (iteration_sim.gen_plan's prefill term).
   need = ((actor.weight_bytes() + per_rep * slot_cap * actor.kv_bytes_per_token()) / (tp * pp)
+          + ends
           + prefill_activation_bytes(cost, actor, tp, per_group, slot_cap - max_new_tokens)
           + resident_bytes)
   cost.check_fits(f"pipelined generation of {actor.name}", need,
@@ -290,7 +295,8 @@ def generation_candidates(cost: CostModel, wl, opt, prompts, resp, rejected: dic
       for groups in (pp, 2 * pp):
         p = _fits(lambda: pipelined_generation(cost, wl.actor, wl.num_devices, tp, pp, groups,
                                                prompts, resp, wl.max_new_tokens,
-                                               resident_bytes, wl.kv_slot_len(prompts)),
+                                               resident_bytes, wl.kv_slot_len(prompts),
+                                               whole_ends=opt.trainer_runnable),
                   rejected,
                   f"gen pipeline pp{pp} tp{tp} G{groups}")
         if p is not None:
@@ -640,7 +646,7 @@ def uniform_candidates(cost: CostModel, wl, opt, prompts, resp, mean_len: float,
       else:
         g = pipelined_generation(cost, wl.actor, wl.num_devices, tp, pp, 1, prompts, resp,
                                  wl.max_new_tokens, kept + state, wl.kv_slot_len(prompts),
-                                 beside)
+                                 beside, whole_ends=opt.trainer_runnable)
         gen_plan = GenerationPlan("pipeline", tp, pp, 1, g["samples_per_replica"])
       gen = g["gen_s"]
       it.check_inference_memory(cost, wl, tp, opt.inference_microbatch, pp=pp,
@@ -910,6 +916,18 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
     # (tests/test_plan_check.py). Until then the embedding and head were counted again over pp.
     embed, head = end_params(a)
     weights = {"weights": (a.num_params() - embed - head) * a.weight_itemsize / gen["pp"]}
+  elif opt.trainer_runnable and gen["mode"] == "pipeline" and gen["tp"] == 1:
+    # The trainer's pipeline on the training devices: every stage holds the embedding and LM
+    # head whole (PipelinedGenerator.param_shardings), beside L/pp layers. Measured 2026-12-07
+    # (jax 0.10.2, 8 CPU devices, buffer pointers, tests/test_plan_check.py): from an actor
+    # replicated over the training mesh (tp 1, no stages) they are its own buffers, counted in
+    # the training state kept; from a split one (tensor or fsdp 2) new ones on each stage. Until
+    # then both were spread over pp: a split actor's ends under-counted by (1 - 1/pp) of them.
+    embed, head = end_params(a)
+    whole = train["placement"] == "colocated" and train["tp"] == 1 and train["actor_pp"] == 1
+    ends = 0 if whole else embed + head
+    weights = {"weights": ((a.num_params() - embed - head) / gen["pp"] + ends)
+               * a.weight_itemsize}
   rows = [{"stage": "generation", "layout": GenerationPlan(**gen).describe(),
            "parts": {**weights, "KV cache": per * slot_kv,
                      **transient, **kept_parts, **kept_state, **group_part}},
