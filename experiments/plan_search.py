@@ -33,7 +33,9 @@ into the workdir:
                   training_devices, staleness, colocated; colocated_refused: why the
                   colocated option does not fit with the trainer's copy of the actor
                   beside its stages, or null) are the figures; plan_json says
-                  which plan plan.json holds ("synchronous" or "asynchronous"); "refused":
+                  which plan plan.json holds ("synchronous" or "asynchronous");
+                  "async_error": why no asynchronous split fits, where a synchronous plan
+                  does (async then null; also in plan_search.md); "refused":
                   {why: synchronous combinations} tried and skipped: a generation or
                   inference that does not fit beside its training plan's state,
                   or one the trainer would not run (with sim.trainer_runnable or
@@ -226,6 +228,8 @@ def report(res: dict, systems: dict, setting: dict,
                 "pipe_rlhf row takes the uniform layout."]
   if memory is not None:
     lines += memory_lines(*memory)
+  if res.get("async_error"):  # a synchronous plan fits, no split does (plan_search.search)
+    lines += ["", f"No asynchronous plan: {res['async_error']}"]
   if a is not None:
     lines += ["", f"Asynchronous PPO (staleness k={a['staleness']}: the generation group "
               "generates and scores the batch k iterations ahead while the training group "
@@ -510,6 +514,11 @@ def _compare_systems(cfg: ablations.AblationConfig, cost: CostModel, wl, res: di
       logging.warning("no synchronous plan fits, so the systems %s (each a plan on all %d "
                       "devices) are not simulated%s", ", ".join(skipped), wl.num_devices,
                       "" if compared else "; pipe_rlhf_async (config.systems) would be")
+  if "async_error" in res and "pipe_rlhf_async" in compared:
+    # A synchronous plan fits, no split does: pipe_rlhf_async's row is the search's best split.
+    compared.remove("pipe_rlhf_async")
+    logging.warning("no asynchronous split fits, so the system pipe_rlhf_async is not "
+                    "simulated (result.json async_error)")
   systems_error = None  # why the systems' comparison failed, if it did
   if compared:
     t0 = time.time()
@@ -649,6 +658,7 @@ def main(argv):
       "async": asynchronous, "plan_json": which, "stages": res["stages"],
       "rejected": res["rejected"], "refused": res["refused"], "systems": systems,
       **({"systems_error": systems_error} if systems_error else {}),
+      **({"async_error": res["async_error"]} if "async_error" in res else {}),
       "search_s": res["search_s"], "efficiency": efficiency, "calibration": calibration,
       "plan_memory": memory})
   wd.atomic_write_text(os.path.join(workdir, "plan_search.md"), "\n".join(
@@ -660,7 +670,8 @@ def main(argv):
                res["best"]["summary"] if best else "no synchronous plan fits",
                f"{_s(uniform['predicted_iteration_s'])}s" if uniform else "none",
                f"{_s(asynchronous['predicted_iteration_s'])}s ({asynchronous['plan']['summary']})"
-               if asynchronous else "off", which, res["search_s"],
+               if asynchronous else "none (no split fits)" if "async_error" in res else "off",
+               which, res["search_s"],
                os.path.join(workdir, "plan_search.md"))
 
 

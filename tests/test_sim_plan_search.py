@@ -1679,3 +1679,42 @@ def test_the_trainers_pipeline_is_checked_with_the_embedding_and_head_on_every_s
   for (tp, whole), (_, spread) in zip(need[True], need[False]):  # (over tp: the papers' tp)
     assert whole - spread == pytest.approx(ends * 3 / 4 / tp), tp
   assert 0.35 * GIB < ends * 3 / 4 < 0.4 * GIB
+
+
+def test_with_no_asynchronous_split_the_synchronous_plan_still_stands(tmp_path):
+  """65B's actor and 33B's critic on 64 H100s: a synchronous plan fits, but no split of the
+  devices does (no group of 56 or fewer divides the mini-batch, and the 65B actor's copy beside
+  the colocated plan does not fit). The search raised that, losing the synchronous plan: since
+  the generation group was charged the whole actor (2026-12-07) the documented
+  `plan_search.py:65b/33b --config.sim.trainer_runnable=True` exited 1 so. Now best holds the
+  synchronous plan, async_error why no split fits; a bad input still raises; the binary writes
+  the synchronous plan and leaves pipe_rlhf_async out of the systems."""
+  wl = it.Workload(actor=get_shape("llama-65b"), critic=get_shape("llama-33b").as_critic(),
+                   num_devices=64, global_batch=512, minibatch=64)
+  opt = it.SimOptions(search_time_s=0.2)
+  res = ps.search(COST, wl, opt, staleness=1, top_k=2)
+  assert res["best"]["summary"] == ps.search(COST, wl, opt, top_k=2)["best"]["summary"]
+  assert "async" not in res
+  assert res["async_error"].startswith("async plan search (k=1): no split of 64 devices fits: "
+                                       "8 / 56: no training plan on 56 devices")
+  with pytest.raises(ValueError, match="async split unit=-8 must be >= 1"):
+    ps.search(COST, wl, opt, staleness=1, split_unit=-8)
+  with pytest.raises(ValueError, match="pipe_rlhf_async: async plan search .k=1.: no split"):
+    it._async_row(COST, wl, opt, res)
+  env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  out = subprocess.run(
+      [sys.executable, "-m", "experiments.plan_search", "--config=configs/plan_search.py:13b/13b",
+       "--config.pairs=llama-65b/llama-33b", f"--workdir={tmp_path}",
+       "--config.num_devices=64", "--config.global_batch=512", "--config.minibatch=64",
+       "--config.sim.staleness=1", "--config.sim.search_time_s=0.2",
+       "--config.systems=pipe_rlhf,pipe_rlhf_async"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  got = json.load(open(tmp_path / "result.json"))
+  assert got["plan_json"] == "synchronous" and got["async"] is None
+  assert got["best"]["summary"] == res["best"]["summary"]
+  assert got["async_error"].startswith("async plan search (k=1): no split of 64 devices")
+  assert list(got["systems"]) == ["pipe_rlhf"] and "systems_error" not in got
+  assert "\nNo asynchronous plan: async plan search (k=1)" in (
+      tmp_path / "plan_search.md").read_text()
+  assert "pipe_rlhf_async is not simulated" in out.stderr

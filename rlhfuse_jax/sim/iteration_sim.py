@@ -604,7 +604,9 @@ def _async_row(cost: CostModel, wl: Workload, opt: SimOptions, searched: dict) -
   2026-12-07 the uniform layout kept its synchronous time), and both only where their memory
   with asynchronous PPO's copy of the actor and the rescoring passes fits
   (plan_search._memory_refusal; a refused uniform layout's reason in details'
-  uniform_async_refused)."""
+  uniform_async_refused). A ValueError where no split fits (the search's async_error)."""
+  if "async" not in searched:
+    raise ValueError(f"pipe_rlhf_async: {searched['async_error']}")
   a = searched["async"]
   best = a["best"]
   p = best["predicted"]

@@ -1237,6 +1237,12 @@ def _async_plan(cost: CostModel, wl, g: int, staleness: int, gen: Candidate, inf
   }
 
 
+class NoAsyncPlan(ValueError):
+  """async_search's refusal where splits were tried and none fits (nor the colocated option),
+  as opposed to a bad input (a staleness or split unit out of range, or one that leaves no
+  split to try)."""
+
+
 def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: Optional[dict],
                  top_k: int = 5,
                  split_unit: int = 0, log: Optional[Callable[[str], None]] = None,
@@ -1358,12 +1364,12 @@ def async_search(cost: CostModel, wl, opt, staleness: int, sync_best: Optional[d
                      f"below {n}" + (f"; and both groups colocated: {colocated_refused}"
                                      if colocated_refused else ""))
   if not plans:
-    raise ValueError(f"async plan search (k={staleness}): no split of {n} devices fits: "
-                     + "; ".join(f"{sp['generation_devices']} / {sp['training_devices']}: "
-                                 f"{sp['rejected']}" for sp in splits[:6])
-                     + (f"; and {len(splits) - 6} other splits" if len(splits) > 6 else "")
-                     + (f"; both groups colocated: {colocated_refused}"
-                        if colocated_refused else ""))
+    raise NoAsyncPlan(f"async plan search (k={staleness}): no split of {n} devices fits: "
+                      + "; ".join(f"{sp['generation_devices']} / {sp['training_devices']}: "
+                                  f"{sp['rejected']}" for sp in splits[:6])
+                      + (f"; and {len(splits) - 6} other splits" if len(splits) > 6 else "")
+                      + (f"; both groups colocated: {colocated_refused}"
+                         if colocated_refused else ""))
   top = sorted(plans, key=lambda p: p["predicted"]["iteration_s"])[:top_k]
   if log:
     a = top[0]["async"]
@@ -1472,7 +1478,9 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
   generation and a training group in multiples of `split_unit`); search_s then covers both
   searches, synchronous_search_s the first. Where no synchronous plan fits, a ValueError saying
   why; with `staleness`, the splits are searched alone first (best None, top [],
-  synchronous_error the reason), the ValueError only if none of them fits either.
+  synchronous_error the reason), the ValueError only if none of them fits either; where a
+  synchronous plan fits and no split does, no "async" but "async_error", async_search's
+  NoAsyncPlan (a bad staleness or split unit still raises, as one that leaves no split).
   The top plans are the fastest combinations that fit beside their training plan's state
   (_memory_refusal) and, with opt.trainer_runnable (trainer_refusal) or `accept` (a plan dict
   -> why a caller refuses it, or None), that both let through, synchronous and asynchronous;
@@ -1565,7 +1573,15 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
          "evaluated": len(infs) + len(unif) + distinct_stage_plans(groups),
          "rejected_plans": len({plan_name(k) for k in rejected})}
   if staleness:
-    out["async"] = async_search(cost, wl, opt, staleness, top[0], top_k, split_unit, log,
-                                accept)
+    # No asynchronous plan beside a synchronous one leaves the synchronous one (as none of the
+    # synchronous ones leaves the splits, asynchronous_alone). Until 2026-12-07 the search
+    # failed: 65B/33B with sim.trainer_runnable since a generation group is charged the whole
+    # actor (group_actor_bytes), where no group of 65B fits.
+    try:
+      out["async"] = async_search(cost, wl, opt, staleness, top[0], top_k, split_unit, log,
+                                  accept)
+    except NoAsyncPlan as e:
+      out["async_error"] = str(e)
+      say(f"{e}; the synchronous plan stands")
     out["search_s"] = time.time() - t0
   return out
