@@ -14,7 +14,7 @@ import pytest
 from rlhfuse_jax.generation import fused, instances, measure
 from rlhfuse_jax.generation.fused import FusedGenConfig, FusedGenerator
 from rlhfuse_jax.generation.instances import FrozenModels
-from rlhfuse_jax.generation.timeline import Timeline
+from rlhfuse_jax.generation.timeline import Timeline, combined_overlap
 from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.inference.scoring import Scorer, ScoringBatch
 from rlhfuse_jax.models import llama
@@ -497,12 +497,13 @@ def test_loaded_count_and_overlap_cover_every_processs_instances():
       theirs = np.asarray(other.overlap_figures, np.float32)
       return np.stack([x, theirs] if me == 0 else [theirs, x])
     ex._host_allgather = gather
-    loaded, overlap = fused.overlap_over_processes(mine, ex)
+    loaded, overlap = combined_overlap(fused.overlap_figures_over_processes(mine, ex))
     assert loaded == 1 and overlap == pytest.approx(0.6 / 1.2), me
   assert sent == [np.float32, np.float32]  # (Exchange.allgather refuses 64-bit data)
   # One process: its own figures, unrounded, and no exchange.
   one = multihost.Exchange(timeout_s=60)
-  assert fused.overlap_over_processes(p1, one) == (1, p1.inference_overlap_frac) == (1, 0.75)
+  assert combined_overlap(fused.overlap_figures_over_processes(p1, one)) == (
+      1, p1.inference_overlap_frac) == (1, 0.75)
 
 
 def test_migration_time_leaves_out_the_decoding_between_two_consolidations():

@@ -1262,19 +1262,14 @@ class _Run:
                        overlap_figures=[[float(x) for x in f] for f in figures])
 
 
-def overlap_over_processes(tl: Timeline, exchange: multihost.Exchange) -> tuple:
-  """(instances loaded before generation ended, inference overlap) over every process's
+def overlap_figures_over_processes(tl: Timeline, exchange: multihost.Exchange):
+  """[P, 3]: every process's `Timeline.overlap_figures`, which timeline.combined_overlap turns
+  into (instances loaded before generation ended, inference overlap) over every process's
   instances. Each process watches only its own (`tl.observed`); `freed_before_gen_end` counts
   all of them (the shared inference queue), so with process 0's figures alone a "5 freed, none
   loaded" was false of the other processes' instances. With several processes one small
-  all-gather of each process's `Timeline.overlap_figures` (float32 seconds: ample for a
-  ratio), called by every process at the same point of `run`, under the exchanges' peer-loss
-  guard like every other."""
-  return combined_overlap(overlap_figures_over_processes(tl, exchange))
-
-
-def overlap_figures_over_processes(tl: Timeline, exchange: multihost.Exchange):
-  """[P, 3]: every process's `Timeline.overlap_figures` (overlap_over_processes)."""
+  all-gather (float32 seconds: ample for a ratio), called by every process at the same point of
+  `run`, under the exchanges' peer-loss guard like every other."""
   figures = [tl.overlap_figures]
   if exchange.multi:
     figures = exchange.allgather(np.asarray(figures[0], np.float32),

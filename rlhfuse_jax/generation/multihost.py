@@ -6,7 +6,7 @@ by every process from the same global state, so no process ever waits for a plan
 compute. What makes the state global is `Exchange`: after every decode round the processes
 all-gather their instances' summaries (done, generated, stop: 12 bytes per slot), then the
 tokens and log-probs of the rows that just finished, and at the end the inference results and
-each process's inference-overlap figures (fused.overlap_over_processes).
+each process's inference-overlap figures (fused.overlap_figures_over_processes).
 
 Where the exchanges run (`exchange_on`): jax's process_allgather runs a program on every device
 of every process, and an accelerator runs its programs in launch order, so each exchange would
