@@ -662,8 +662,8 @@ class Checkpoints(Hook):
     """Keeps the newest checkpoint.keep checkpoints (checkpointing.Checkpointer.trim), saying
     which it removed: called once the start's checkpoint is chosen (and restored), so the
     removed ones are older than it."""
-    held = len(self.checkpointer.all_steps())
-    removed = self.checkpointer.trim()
+    removed = self.checkpointer.trim()  # (all beyond the newest keep: it held keep + those)
+    held = self.checkpointer.keep + len(removed)
     if removed and jax.process_index() == 0:
       logging.warning("%s held %d checkpoints, more than checkpoint.keep=%d (a run killed "
                       "between a save and the removal of the oldest, or a lowered keep): "
