@@ -39,14 +39,16 @@ PATHS = {
 
 def _config(tmp_path, **overrides):
   """Actor, tokenizer and prompts of the tiny fixtures; the critic from a copy of tiny_qwen2
-  in tmp_path (which a test may take away)."""
+  in tmp_path (which a test may take away). Every test here runs 2 iterations: one number of
+  iterations (the LR schedule's horizon, a constant of the update's program) lets the tests
+  after the first load its update instead of compiling their own."""
   critic = tmp_path / "critic"
   if not critic.exists():
     shutil.copytree(QWEN2, critic)
     (tmp_path / "prompts.jsonl").write_text(
         "".join(json.dumps({"prompt": p, "target": "is three"}) + "\n" for p in PROMPTS))
   return tiny_config(**{
-      "num_iterations": 3, "checkpoint.every": 100, "init.actor_checkpoint": LLAMA,
+      "num_iterations": 2, "checkpoint.every": 100, "init.actor_checkpoint": LLAMA,
       "init.critic_checkpoint": str(critic),
       "init.tokenizer": os.path.join(LLAMA, "tokenizer.json"),
       "data.prompts_file": str(tmp_path / "prompts.jsonl"), "data.max_prompt_len": 8,
@@ -79,7 +81,7 @@ def _count_critic_loads(monkeypatch, critic: str) -> list:
 @pytest.mark.parametrize("path", list(PATHS))
 def test_a_resume_reads_no_critic_weights_and_equals_the_uninterrupted_run(
     tmp_path, monkeypatch, path):
-  """Stopped after iteration 2 (saved), the critic's safetensors deleted, then resumed: the
+  """Stopped after iteration 1 (saved), the critic's safetensors deleted, then resumed: the
   resume does not call the weight loader on the critic's directory (the first start did, once)
   and its metrics and final weights are the uninterrupted run's. With the critic's whole
   directory gone, the error names init.critic_checkpoint (its config.json gives the shapes)."""
@@ -89,7 +91,7 @@ def test_a_resume_reads_no_critic_weights_and_equals_the_uninterrupted_run(
   p_straight = _params(straight)
   calls = _count_critic_loads(monkeypatch, cfg.init.critic_checkpoint)
   run = str(tmp_path / "run")
-  h_first = _trainer(cfg, run).run(stop_after=2)
+  h_first = _trainer(cfg, run).run(stop_after=1)
   assert calls == ["scalar"]  # the first start reads the critic's weights
   if path == "serial":  # the whole directory gone: the field is named
     os.rename(cfg.init.critic_checkpoint, tmp_path / "moved")
@@ -103,7 +105,7 @@ def test_a_resume_reads_no_critic_weights_and_equals_the_uninterrupted_run(
               path == "pipelined", path == "fused", path == "async")
   h_rest = resumed.run()
   assert calls == ["scalar"], calls  # the resume did not
-  assert [h["step"] for h in h_first + h_rest] == [1, 2, 3]
+  assert [h["step"] for h in h_first + h_rest] == [1, 2]
   _same(h_first + h_rest, h_straight)
   jax.tree.map(np.testing.assert_array_equal, _params(resumed), p_straight)
 
@@ -113,7 +115,7 @@ def test_a_resume_that_restores_no_checkpoint_loads_the_critic(tmp_path, monkeyp
   be restored (its _damaged stops a run before that today: the stand-in below returns it): the
   critic built from the seed for the resume is replaced by init.critic_checkpoint's weights
   there, and the run trains exactly as a fresh one, never from a random critic."""
-  cfg = _config(tmp_path, num_iterations=2)
+  cfg = _config(tmp_path)
   fresh = _trainer(cfg, str(tmp_path / "fresh"))
   h_fresh = fresh.run()
   run = str(tmp_path / "run")
@@ -146,7 +148,7 @@ def test_a_resume_refuses_a_critic_checkpoint_whose_config_json_changed(tmp_path
   another one there (rope_theta, rms_norm_eps: no shape the restore would refuse) ran the
   checkpoint's critic as another function, silently, with an info line calling the files
   unused. It is refused, naming the field; its weights alone may change or go."""
-  cfg = _config(tmp_path, num_iterations=2)
+  cfg = _config(tmp_path)
   run = str(tmp_path / "run")
   _trainer(cfg, run).run(stop_after=1)
   _change_critic_architecture(cfg)
@@ -159,8 +161,9 @@ def test_a_resume_does_not_log_its_critic_as_randomly_initialised(tmp_path, capl
   """A run whose critic starts from config.critic_model's shape (no init.critic_checkpoint),
   resumed: its critic is the checkpoint's, but the set-up said 'config.critic_model, randomly
   initialised' (log_architectures with weights=False, the resume's and an export's, named the
-  checkpoint's weights only beside an init.critic_checkpoint)."""
-  cfg = tiny_config(num_iterations=2)
+  checkpoint's weights only beside an init.critic_checkpoint). (The actor, data and iterations
+  are the other tests': their generation programs are loaded, not compiled again.)"""
+  cfg = _config(tmp_path, **{"init.critic_checkpoint": ""})
   run = str(tmp_path / "run")
 
   def critic_lines(trainer_fn):
@@ -184,15 +187,15 @@ def test_an_export_of_the_critic_refuses_a_changed_config_json(tmp_path):
   config.json gives beside the checkpoint's weights: another config.json there (rope_theta,
   rms_norm_eps) shipped the trained critic as another model (the actor's change is refused by
   export_changes). It is refused, naming the field; the actor still exports."""
-  cfg = _config(tmp_path, num_iterations=1)
+  cfg = _config(tmp_path)
   run = str(tmp_path / "run")
   _trainer(cfg, run).run()
   _change_critic_architecture(cfg)
   exporter = PPOTrainer(dataclasses.replace(cfg, checkpoint=dataclasses.replace(
-      cfg.checkpoint, export_hf="llama")), run, export_step=1)
+      cfg.checkpoint, export_hf="llama")), run, export_step=2)
   try:
     with pytest.raises(ValueError, match=r"config\.init\.critic_checkpoint=.*: config\.json "
-                                         r"changed since checkpoint 1 was written"):
+                                         r"changed since checkpoint 2 was written"):
       exporter.export_checkpoint(str(tmp_path / "critic_out"), "critic")
     assert not os.path.exists(tmp_path / "critic_out")
     exporter.export_checkpoint(str(tmp_path / "actor_out"), "actor")
