@@ -426,16 +426,25 @@ def test_a_restart_says_how_many_programs_it_loaded_from_the_compilation_cache(t
   restart that loaded its programs showed only in shorter times, nothing said the cache was
   used, or that it was not (a cache directory each host sees apart). Two starts of the same
   program on one cache: the first compiles and writes it, the second loads it; with the cache
-  off, nothing is said."""
-  notes = [subprocess.run([sys.executable, "-c", _CACHED_JIT, setting, str(tmp_path / "run")],
+  off, nothing is said.
+
+  The second start is on the workdir moved (or copied to another path: a node's scratch)
+  before it: it loads the programs of its cache/xla too. jax put the path of its GPU
+  autotuning cache, under the cache directory, into every key, so the moved copy compiled
+  everything again (0 loaded). (A restart at the same path loads them: the third start of
+  test_a_cache_entry_cut_short_is_compiled_again_once_and_written_whole.)"""
+  def start(setting, run):
+    return subprocess.run([sys.executable, "-c", _CACHED_JIT, setting, str(tmp_path / run)],
                           cwd=REPO, env=_no_cache_env(), capture_output=True, text=True,
                           timeout=120)
-           for setting in ("", "", "none")]
+  notes = [start("", "run")]
+  shutil.move(str(tmp_path / "run"), str(tmp_path / "moved"))
+  notes += [start("", "moved"), start("none", "moved")]
   assert all(n.returncode == 0 for n in notes), [n.stderr[-2000:] for n in notes]
   (loaded, written), again = (_CACHE_NOTE.fullmatch(n.stdout.strip()).groups()
                               for n in notes[:2])
   assert loaded == "0" and int(written) >= 1, notes[0].stdout  # the jit and jnp.ones' programs
-  assert again == (written, "0"), notes[1].stdout
+  assert again == (written, "0"), notes[1].stdout  # every program loaded at the new path
   assert notes[2].stdout.strip() == "''"
 
 
@@ -482,24 +491,6 @@ def test_a_damaged_cache_entry_written_just_now_is_left(tmp_path):
     os.utime(tmp_path / name, (time.time() - 60, time.time() - 60))
   assert hooks.drop_damaged_cache_entries(str(tmp_path)) == ["jit_f-abc-cache"]
   assert os.listdir(tmp_path) == ["notes.txt"]
-
-
-def test_a_moved_workdir_loads_its_compilation_cache(tmp_path):
-  """A workdir moved (or copied to another path: a node's scratch) before its resume loads the
-  programs of its cache/xla: jax put the path of its GPU autotuning cache, under the cache
-  directory, into every key, so the moved copy compiled everything again (0 loaded)."""
-  counts = []
-  for run in ("run", "moved"):
-    if run == "moved":
-      shutil.move(str(tmp_path / "run"), str(tmp_path / "moved"))
-    out = subprocess.run([sys.executable, "-c", _CACHED_JIT, "", str(tmp_path / run)],
-                         cwd=REPO, env=_no_cache_env(), capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    counts.append(_CACHE_NOTE.fullmatch(out.stdout.strip()).groups())
-  (loaded, written), moved = counts
-  assert loaded == "0" and int(written) >= 1, counts
-  assert moved == (written, "0"), counts  # every program loaded at the new path
 
 
 def test_a_compilation_cache_dir_that_is_a_file_is_refused_before_the_workdir(tmp_path):
@@ -662,14 +653,15 @@ def test_the_nan_guards_stop_is_one_line_saying_what_to_change(tmp_path):
   assert "NonFiniteError" in open(os.path.join(wd, "traceback.txt")).read()
 
 
-MESH_FLAGS = ["--config.num_iterations=6", "--config.mesh.data=2", "--config.mesh.fsdp=2",
+MESH_FLAGS = ["--config.num_iterations=4", "--config.mesh.data=2", "--config.mesh.fsdp=2",
               "--config.algo.microbatch_size=1"]
 
 
 @pytest.fixture(scope="module")
 def straight_on_a_mesh(tmp_path_factory):
-  """An uninterrupted 6-iteration train_ppo run on data 2 x fsdp 2 with micro-batches of one
-  row (algo.gradient_sync then applies): (workdir, metrics rows)."""
+  """An uninterrupted 4-iteration train_ppo run on data 2 x fsdp 2 with micro-batches of one
+  row (algo.gradient_sync then applies): (workdir, metrics rows). (4: checkpoints 2 and 4, a
+  resume from 2 trains two iterations; it ran 6, two more of the slowest iterations here.)"""
   workdir = str(tmp_path_factory.mktemp("mesh") / "run")
   out = subprocess.run(_cmd(workdir, *MESH_FLAGS), cwd=REPO, env=subprocess_env(4),
                        capture_output=True, text=True, timeout=900)
@@ -688,27 +680,37 @@ def test_a_resume_may_change_remat_or_gradient_sync_when_named(tmp_path, straigh
   accumulated update communicates) are the update's memory knobs: neither changes the saved
   state, yet no resume could change them ("the saved state's layout"), so a run out of memory
   could not resume with remat or per-micro-batch syncing. Named in checkpoint.resume_changes,
-  a resume from iteration 4 trains 5-6 as the uninterrupted run did, up to float rounding
-  (measured: within 6e-8 for remat, 2.4e-7 for gradient_sync); unnamed it is refused with the
-  flag to add."""
+  a resume from iteration 2 trains 3-4 as the uninterrupted run did, up to float rounding
+  (measured on 5-6 of 6 iterations: within 6e-8 for remat, 2.4e-7 for gradient_sync); unnamed it is refused with the
+  flag to add. (The refusal is the trainer's config check, before anything is built: checked
+  in-process on the binary's config, as tiny_config spells it, not in a binary start of its
+  own; the binary's exit 1 with such an error: test_the_binary_names_a_bad_value_... in
+  test_faults.py.)"""
+  import jax
+  from rlhfuse_jax.parallel import mesh as mesh_lib
+  from rlhfuse_jax.trainer.loop import PPOTrainer
+  from tests.test_trainer import tiny_config
   workdir, want = straight_on_a_mesh
   run = str(tmp_path / "run")
   shutil.copytree(workdir, run)
-  shutil.rmtree(os.path.join(run, "checkpoints", "6"))  # as a run stopped after iteration 4
-  out = subprocess.run(_cmd(run, *MESH_FLAGS, *flags), cwd=REPO, env=subprocess_env(4),
-                       capture_output=True, text=True, timeout=900)
-  assert out.returncode == 1, out.stderr[-3000:]
-  assert f"add --config.checkpoint.resume_changes={named}," in out.stderr, out.stderr[-3000:]
+  shutil.rmtree(os.path.join(run, "checkpoints", "4"))  # as a run stopped after iteration 2
+  cfg = tiny_config(**{"num_iterations": 4, "mesh.data": 2, "mesh.fsdp": 2,
+                       "algo.microbatch_size": 1},
+                    **{f[len("--config."):].split("=")[0]: f.split("=")[1] for f in flags})
+  # (named alone, then ", or": no field but the named ones differs from the saved run's)
+  with pytest.raises(ValueError, match=re.escape(
+      f"add --config.checkpoint.resume_changes={named}, or resume with the original")):
+    PPOTrainer(cfg, run, mesh=mesh_lib.make_mesh(cfg.mesh, jax.devices()[:4]))
   out = subprocess.run(_cmd(run, *MESH_FLAGS, *flags,
                             f"--config.checkpoint.resume_changes={named}"),
                        cwd=REPO, env=subprocess_env(4), capture_output=True, text=True,
                        timeout=900)
   assert out.returncode == 0, out.stderr[-3000:]
-  assert "resuming iteration 4 with a changed" in out.stderr, out.stderr[-3000:]
+  assert "resuming iteration 2 with a changed" in out.stderr, out.stderr[-3000:]
   with open(os.path.join(run, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f if line.strip()]
-  assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
-  for got, wanted in zip(rows[4:], want[4:]):
+  assert [r["step"] for r in rows] == [1, 2, 3, 4]
+  for got, wanted in zip(rows[2:], want[2:]):
     for key in ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "reward/mean",
                 "kl/ref_mean"):
       assert got[key] == pytest.approx(wanted[key], rel=1e-4, abs=1e-6), (got["step"], key)
