@@ -681,11 +681,11 @@ def test_a_resume_may_change_remat_or_gradient_sync_when_named(tmp_path, straigh
   state, yet no resume could change them ("the saved state's layout"), so a run out of memory
   could not resume with remat or per-micro-batch syncing. Named in checkpoint.resume_changes,
   a resume from iteration 2 trains 3-4 as the uninterrupted run did, up to float rounding
-  (measured on 5-6 of 6 iterations: within 6e-8 for remat, 2.4e-7 for gradient_sync); unnamed it is refused with the
-  flag to add. (The refusal is the trainer's config check, before anything is built: checked
-  in-process on the binary's config, as tiny_config spells it, not in a binary start of its
-  own; the binary's exit 1 with such an error: test_the_binary_names_a_bad_value_... in
-  test_faults.py.)"""
+  (measured on 5-6 of 6 iterations: within 6e-8 for remat, 2.4e-7 for gradient_sync);
+  unnamed it is refused with the flag to add. (The refusal is the trainer's config check,
+  before anything is built: checked in-process on the binary's config, as tiny_config spells
+  it, not in a binary start of its own; the binary's exit 1 with such an error:
+  test_the_binary_names_a_bad_value_... in test_faults.py.)"""
   import jax
   from rlhfuse_jax.parallel import mesh as mesh_lib
   from rlhfuse_jax.trainer.loop import PPOTrainer
