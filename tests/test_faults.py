@@ -765,7 +765,8 @@ def test_a_save_that_fails_as_its_workdir_moves_says_why_first(tmp_path):
 
 
 def test_a_second_run_on_the_same_workdir_is_refused(tmp_path):
-  cfg = tiny_config(**{"num_iterations": 1})
+  # (2 iterations, as the watchdog test's run: its update is loaded, not compiled again)
+  cfg = tiny_config(**{"num_iterations": 2})
   first = PPOTrainer(cfg, str(tmp_path))
   with pytest.raises(RuntimeError, match=rf"in use by another run \(pid {os.getpid()} on \S+ "
                                          r"\(start \d+\)\); wait for it"):
@@ -775,7 +776,7 @@ def test_a_second_run_on_the_same_workdir_is_refused(tmp_path):
   # and rewrite metrics.jsonl; a new trainer on the workdir resumes.
   with pytest.raises(RuntimeError, match=r"run\(\) was already called on this trainer"):
     first.run()
-  assert _steps(str(tmp_path)) == [1]
+  assert _steps(str(tmp_path)) == [1, 2]
   # keep_lock (train_ppo, which writes result.json after run()): held until release_lock(),
   # also on a start that finds nothing to train.
   again = PPOTrainer(cfg, str(tmp_path))
@@ -978,9 +979,20 @@ def test_a_damaged_checkpoint_a_run_does_not_set_aside_comes_with_the_command(tm
   assert PPOTrainer(cfg, run).resume_step == 4
 
 
+@pytest.fixture(scope="module")
+def stopped_at_4(tmp_path_factory, straight):
+  """`straight`'s config stopped after iteration 4 (as by SIGTERM): a workdir with checkpoints
+  2 and 4, as a preempted run leaves them. Each damage case below damages its own copy (one
+  4-iteration run for the three, not one each)."""
+  run = str(tmp_path_factory.mktemp("stopped_at_4") / "run")
+  PPOTrainer(straight[0], run).run(stop_after=4, config_record={"start": "first"})
+  return run
+
+
 @pytest.mark.parametrize("damage", ["arrays", "side-car", "bits"])
-def test_a_damaged_latest_checkpoint_falls_back_to_the_intact_one(tmp_path, straight, damage,
-                                                                  caplog, monkeypatch):
+def test_a_damaged_latest_checkpoint_falls_back_to_the_intact_one(tmp_path, straight,
+                                                                  stopped_at_4, damage, caplog,
+                                                                  monkeypatch):
   """Also the in-process resume test: stopped at 4 (as by SIGTERM), resumed from 2 after the
   damage, the run ends with the uninterrupted run's parameters bitwise and its metrics.
   "bits": arrays that read without an error but hold other bits than were saved (damage inside
@@ -994,8 +1006,8 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_intact_one(tmp_path, stra
   monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append(repr(u.exc_value)))
   cfg, _, want_params, want_rows = straight
   run = str(tmp_path / "run")
-  # checkpoints 2 and 4, as a preempted run leaves them
-  PPOTrainer(cfg, run).run(stop_after=4, config_record={"start": "first"})
+  shutil.copytree(stopped_at_4, run)  # checkpoints 2 and 4, as a preempted run leaves them
+  assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["2", "4"]
   latest = os.path.join(run, "checkpoints", "4")
   if damage == "arrays":
     _damage_arrays(latest)
@@ -1635,14 +1647,14 @@ def test_a_fresh_start_keeps_an_earlier_start_that_left_no_checkpoint(tmp_path):
     f.write(json.dumps(rows[0]) + "\n")
   with open(os.path.join(run, "config.json"), "w") as f:
     f.write('{"seed": 0}')
-  trainer = PPOTrainer(tiny_config(num_iterations=1), run)
+  trainer = PPOTrainer(tiny_config(num_iterations=2), run)  # (the update of the tests above)
   assert trainer.resume_step is None
   kept = os.path.join(run, "previous", "1")
   assert sorted(os.listdir(kept)) == ["config.json", "metrics.jsonl"]
   assert wd.read_jsonl(os.path.join(kept, "metrics.jsonl")) == rows
   assert not os.path.exists(os.path.join(run, "metrics.jsonl"))
   trainer.run()
-  assert _steps(run) == [1]
+  assert _steps(run) == [1, 2]
 
 
 @pytest.mark.parametrize("me", [0, 1])
