@@ -29,23 +29,40 @@ def tiny(**overrides):
   return tiny_config(**{**base, **overrides})
 
 
-def test_fused_trajectory_equals_serial(tmp_path):
-  # 4 devices: 4 instances of 4 slots; a random policy ends ~4 % of its samples per step (EOS),
-  # so by the tail 3 instances can hold the rest and Rt = 1 consolidates at once. A format term
-  # beside the task's reward: both stages hand its per-sample values on (the validation pass's
-  # val/<term>_mean).
-  fmt = {"reward.format": "length_match", "reward.format_weight": 0.5}
-  mesh = lambda: mesh_lib.make_mesh(mesh_lib.MeshConfig(data=4), jax.devices()[:4])
-  serial = PPOTrainer(tiny(**fmt), str(tmp_path / "serial"), mesh=mesh())
-  assert isinstance(serial.rollout, rollout.SerialStage)
-  serial_out = record_rollouts(serial)
-  h_serial = serial.run()
-  fused = PPOTrainer(tiny(**fmt, **{"fusion.inter_stage": True,
-                                     "fusion.migration_threshold": "1.0"}),
-                     str(tmp_path / "fused"), mesh=mesh())
-  assert isinstance(fused.rollout, rollout.FusedStage)
-  fused_out = record_rollouts(fused)
-  h_fused = fused.run()
+SLOW_REWARD_S = 0.02  # per sample: tests.test_fused_trainer:slow_reward
+
+
+def slow_reward(response, answer, record):
+  """A user reward by import path that takes SLOW_REWARD_S a sample (a slow verifier's)."""
+  time.sleep(SLOW_REWARD_S)
+  return len(response) / 100.0
+
+
+@pytest.fixture(scope="module")
+def serial_and_fused(tmp_path_factory):
+  """{False: the serial run, True: the fused one} of the same config, each (trainer, recorded
+  rollouts, history). The reward function is slow_reward (which the timing tests need; one pair
+  of runs for the file: two more trainers took a fifth of its time), with a format term beside
+  it: both stages hand its per-sample values on (the validation pass's val/<term>_mean).
+  4 devices: 4 instances of 4 slots; a random policy ends ~4 % of its samples per step (EOS),
+  so by the tail 3 instances can hold the rest and Rt = 1 consolidates at once."""
+  over = {"reward.function": "tests.test_fused_trainer:slow_reward",
+          "reward.format": "length_match", "reward.format_weight": 0.5}
+  runs = {}
+  for fuse in (False, True):
+    if fuse:
+      over.update({"fusion.inter_stage": True, "fusion.migration_threshold": "1.0"})
+    trainer = PPOTrainer(tiny(**over), str(tmp_path_factory.mktemp("fused" if fuse else "serial")),
+                         mesh=mesh_lib.make_mesh(mesh_lib.MeshConfig(data=4), jax.devices()[:4]))
+    assert isinstance(trainer.rollout, rollout.FusedStage if fuse else rollout.SerialStage)
+    seen = record_rollouts(trainer)
+    runs[fuse] = (trainer, seen, trainer.run())
+  return runs
+
+
+def test_fused_trajectory_equals_serial(serial_and_fused):
+  (serial, serial_out, h_serial), (fused, fused_out, h_fused) = (serial_and_fused[False],
+                                                                 serial_and_fused[True])
   for (_, a), (_, b) in zip(serial_out, fused_out, strict=True):
     for field in ("response_tokens", "response_lens", "logprobs"):
       np.testing.assert_array_equal(getattr(a.rollout, field), getattr(b.rollout, field))
@@ -80,34 +97,20 @@ def test_fused_trajectory_equals_serial(tmp_path):
                          jax.device_get(fused.actor.params))
 
 
-SLOW_REWARD_S = 0.02  # per sample: tests.test_fused_trainer:slow_reward
-
-
-def slow_reward(response, answer, record):
-  """A user reward by import path that takes SLOW_REWARD_S a sample (a slow verifier's)."""
-  time.sleep(SLOW_REWARD_S)
-  return len(response) / 100.0
-
-
 @pytest.mark.parametrize("fuse", [False, True], ids=["serial", "fused"])
-def test_a_slow_reward_function_shows_in_timing_s_reward(tmp_path, fuse):
+def test_a_slow_reward_function_shows_in_timing_s_reward(serial_and_fused, fuse):
   """timing_s/reward: the seconds the rewards took (the reward function here; a reward
   model's forward too in the serial stage). A slow reward function showed only inside
   timing_s/inference (serial) or nowhere but the loop's timing_s/gen_plus_inf (fused: the
   function runs after the engine's clocks stop)."""
-  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=4), jax.devices()[:4])
-  over = {"num_iterations": 1, "reward.function": "tests.test_fused_trainer:slow_reward"}
-  if fuse:
-    over.update({"fusion.inter_stage": True, "fusion.migration_threshold": "1.0"})
-  trainer = PPOTrainer(tiny(**over), str(tmp_path / "run"), mesh=mesh)
-  assert isinstance(trainer.rollout, rollout.FusedStage if fuse else rollout.SerialStage)
-  (m,) = trainer.run()
+  trainer, _, history = serial_and_fused[fuse]
   slept = SLOW_REWARD_S * trainer.cfg.rollout.batch_size
-  assert slept <= m["timing_s/reward"] <= m["timing_s/gen_plus_inf"], m
-  if not fuse:  # the serial stage's inference includes the rewards
-    assert m["timing_s/reward"] <= m["timing_s/inference"], m
-  # Every metric of the row, timing_s/reward too, is documented (docs/architecture.md §1).
-  assert not undocumented_metrics(m), undocumented_metrics(m)
+  for m in history:
+    assert slept <= m["timing_s/reward"] <= m["timing_s/gen_plus_inf"], m
+    if not fuse:  # the serial stage's inference includes the rewards
+      assert m["timing_s/reward"] <= m["timing_s/inference"], m
+    # Every metric of the row, timing_s/reward too, is documented (docs/architecture.md §1).
+    assert not undocumented_metrics(m), undocumented_metrics(m)
 
 
 def test_auto_rt_resumes_with_the_lengths_it_had_seen(tmp_path):
