@@ -114,9 +114,10 @@ def test_fully_masked_rows_match_reference():
   q, k, v = _qkv(2, 4, 7, 4, 2, seed=4)
   q_pos = jnp.array([[-3, -1, 0, 1], [2, 3, 4, 5]], jnp.int32)
   k_pos = _arange(2, 7)
-  out = _blockwise()(q, k, v, q_pos, k_pos)
+  fn = _blockwise()
+  out = jax.jit(fn)(q, k, v, q_pos, k_pos)  # (jitted as in _check, which reuses its compile)
   assert np.isfinite(np.asarray(out)).all()
-  _check(q, k, v, q_pos, k_pos)
+  _check(q, k, v, q_pos, k_pos, fn)
 
 
 def test_bfloat16_close_to_reference():
@@ -264,6 +265,12 @@ def test_model_decode_through_cache_equals_full_forward(params, small_blocks, dt
 
 # Cached attention: live blocks only, in place -------------------------------------------------
 
+# Jitted as the model runs it (layer and block sizes static, live_len traced): eagerly, each op
+# around the key-block loop compiled on its own.
+_cached_attention = jax.jit(attn.cached_attention, static_argnums=(3,),
+                            static_argnames=("block_k", "block_q"))
+
+
 def _cache(b, s, kvh, d=8, layers=2, seed=0):
   rng = np.random.default_rng(seed)
   shape = (layers, b, s, kvh, d)  # [layers, batch, S, kv, dim]
@@ -283,10 +290,10 @@ def test_cached_attention_matches_reference(l, block_k, block_q):
   kc, vc = _cache(b, s, kvh)
   q_pos = _arange(b, l, jnp.array([0, 7, s - l]))
   live = jnp.max(q_pos) + 1
-  got, kc2, vc2 = attn.cached_attention(q, kc, vc, 1, q_pos, live, block_k=block_k,
-                                         block_q=block_q)
+  got, kc2, vc2 = _cached_attention(q, kc, vc, 1, q_pos, live, block_k=block_k,
+                                     block_q=block_q)
   k_pos = _arange(b, s)
-  want = attn.reference_attention(q, kc[1], vc[1], q_pos, k_pos)
+  want = _REFERENCE(q, kc[1], vc[1], q_pos, k_pos)
   np.testing.assert_allclose(got, want, **TOL)
   assert kc2 is not None and np.array_equal(kc2, kc) and np.array_equal(vc2, vc)
 
@@ -299,12 +306,11 @@ def test_cached_attention_reads_only_live_blocks():
   kc, vc = _cache(b, s, kvh, seed=3)
   q_pos = jnp.array([[5], [9]], jnp.int32)
   poisoned = (kc.at[:, :, 12:].set(jnp.nan), vc.at[:, :, 12:].set(jnp.nan))
-  got, _, _ = attn.cached_attention(q, *poisoned, 0, q_pos, 10, block_k=bk)
+  got, _, _ = _cached_attention(q, *poisoned, 0, q_pos, 10, block_k=bk)
   assert bool(jnp.all(jnp.isfinite(got)))
-  longer, _, _ = attn.cached_attention(q, kc, vc, 0, q_pos, s, block_k=bk)
+  longer, _, _ = _cached_attention(q, kc, vc, 0, q_pos, s, block_k=bk)
   np.testing.assert_array_equal(got, longer)
-  np.testing.assert_allclose(
-      got, attn.reference_attention(q, kc[0], vc[0], q_pos, _arange(b, s)), **TOL)
+  np.testing.assert_allclose(got, _REFERENCE(q, kc[0], vc[0], q_pos, _arange(b, s)), **TOL)
 
 
 def test_decode_chunk_writes_the_cache_in_place():
@@ -365,8 +371,6 @@ def test_scan_layers_matches_unrolled(params):
   assert tuple(llama.logical_specs(scfg)["layers"]["block"]["mlp"]["up_proj"]["kernel"]) == (
       "layers", "embed", "mlp")
   tokens = jnp.asarray(np.random.default_rng(10).integers(0, 32, (2, 9)), jnp.int32)
-  np.testing.assert_allclose(_jit_apply(scfg)(sp, tokens)[0], _jit_apply(CFG)(params, tokens)[0],
-                             **TOL)
   outs = []
   for cfg, p in ((CFG, params), (scfg, sp)):
     apply = _jit_apply(cfg)
@@ -376,11 +380,15 @@ def test_scan_layers_matches_unrolled(params):
   for got, want in zip(outs[1], outs[0]):
     np.testing.assert_allclose(got, want, **TOL)
 
-  def loss(cfg, p):
-    return jnp.sum(jnp.sin(llama.apply(cfg, p, tokens)[0]))
-  g_scan = llama.unstack_layers(jax.jit(jax.grad(functools.partial(loss, scfg)))(sp))
-  g = jax.jit(jax.grad(functools.partial(loss, CFG)))(params)
-  for a, b in zip(jax.tree.leaves(g_scan), jax.tree.leaves(g)):
+  def loss(cfg, p):  # the logits too: one program per model for the forward and its gradients
+    logits = llama.apply(cfg, p, tokens)[0]
+    return jnp.sum(jnp.sin(logits)), logits
+
+  def grad(cfg, p):
+    return jax.jit(jax.grad(functools.partial(loss, cfg), has_aux=True))(p)
+  (g_scan, logits_scan), (g, logits) = grad(scfg, sp), grad(CFG, params)
+  np.testing.assert_allclose(logits_scan, logits, **TOL)
+  for a, b in zip(jax.tree.leaves(llama.unstack_layers(g_scan)), jax.tree.leaves(g)):
     np.testing.assert_allclose(a, b, **TOL)
   back = llama.unstack_layers(sp)
   assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)))
