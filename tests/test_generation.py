@@ -451,12 +451,13 @@ def test_state_is_donated_and_compiled_once(params, prompts, sampled):
   assert gen.num_compiles == 2
 
 
-def test_the_ahead_of_time_compile_says_what_it_does_and_how_long_it_took(params, caplog):
+def test_the_ahead_of_time_compile_says_what_it_does_and_how_long_it_took(params, sampled,
+                                                                           caplog):
   """The serial stage compiles prefill and decode after train_ppo's "models and update ready":
-  a line before and after, not a silence as long as the compile."""
+  a line before and after, not a silence as long as the compile. (The `sampled` generator's
+  sampling: its programs load from the persistent compilation cache instead of compiling.)"""
   with caplog.at_level(logging.INFO):
-    instances.Generator(CFG, SamplingConfig(max_new_tokens=T), batch_size=B, prompt_len=P,
-                        params=params)
+    instances.Generator(CFG, sampled[0].sampling, batch_size=B, prompt_len=P, params=params)
   lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("generation:")]
   assert lines[0] == (f"generation: compiling prefill and decode ({B} rows, prompts up to {P} "
                       f"tokens, {T} new) ...")
