@@ -525,21 +525,12 @@ def test_bench_async_refuses_a_workdir_of_another_config(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["experiments.reproduce_ablations", "--config=configs/ablations.py",
-      "--config.max_new_tokens=abc"],
-     "config.max_new_tokens='abc': expected comma-separated positive integers"),
     # a run config whose mesh needs more devices than each run gets: every run failed after jax
     # started, advising an XLA_FLAGS that the bench replaces
     (["experiments.bench_async", "--config=configs/bench_async.py",
       "--config.runs=('configs/ppo_tiny.py:fused',)"],
      "config.host_devices=1: expected at least the 4 devices config.runs entry "
      "'configs/ppo_tiny.py:fused' needs"),
-    # a setting twice: simulated twice, the second replacing the first in every table
-    (["experiments.reproduce_ablations", "--config=configs/ablations.py:quick",
-      "--config.max_new_tokens=512,512"],
-     "config.max_new_tokens names 512 more than once: each setting once, expected"),
-    (["experiments.plan_search", "--config=configs/plan_search.py:65b/33b", "--config.top_k=0"],
-     "config.top_k=0: expected an integer >= 1"),
     # a workload field a train config replaces: it was ignored, silently
     (["experiments.plan_search", "--config=configs/plan_search.py:train",
       "--config.response.median=512", "--config.pairs=llama-7b/llama-7b"],
@@ -553,18 +544,6 @@ def test_bench_async_refuses_a_workdir_of_another_config(tmp_path):
      "config.seed=-1: expected an integer >= 0"),
     (["experiments.bench_attention", "--config=configs/bench_attention.py", "--config.seed=-1"],
      "config.seed=-1: expected an integer >= 0"),
-    (["experiments.bench_pipeline", "--config=configs/bench_pipeline.py", "--config.seed=-1"],
-     "config.seed=-1 must be >= 0"),
-    # (was "model.max_seq_len=-12 must be a positive integer", a field it does not have)
-    (["experiments.bench_pipeline", "--config=configs/bench_pipeline.py",
-      "--config.prompt_len=-20"], "config.prompt_len=-20 must be >= 1"),
-    # each named a field this config does not have (model.*, loss.*; "None: unclipped")
-    (["experiments.bench_pipeline", "--config=configs/bench_pipeline.py",
-      "--config.critic.vocab_size=0"], "config.critic: model.vocab_size=0 must be a positive"),
-    (["experiments.bench_pipeline", "--config=configs/bench_pipeline.py",
-      "--config.clip_eps=-1"], "config.clip_eps=-1.0 must be in (0, 1)"),
-    (["experiments.bench_pipeline", "--config=configs/bench_pipeline.py",
-      "--config.value_clip_eps=-1"], "config.value_clip_eps=-1.0: expected >= 0 (0: unclipped)"),
     (["experiments.bench_generation", "--config=configs/bench_generation.py:tiny",
       "--config.generation.max_new_tokens=0"],
      "config.generation.max_new_tokens=0: expected an integer >= 1"),
@@ -572,24 +551,9 @@ def test_bench_async_refuses_a_workdir_of_another_config(tmp_path):
     (["experiments.bench_pipeline", "--config=configs/bench_pipeline.py",
       "--config.actor_microbatches=3"],
      "config.actor_microbatches=3 must divide the 16 rows of a data replica"),
-    (["experiments.bench_pipeline", "--config=configs/bench_pipeline.py",
-      "--config.critic_microbatches=3"],
-     "config.critic_microbatches=3 x the critic's 2 replicas"),
     (["experiments.reproduce_ablations", "--config=configs/ablations.py:quick",
       "--config.validate.bench_generation_workdir=/nonexistent/bg"],
      "config.validate.bench_generation_workdir='/nonexistent/bg': no result.json there"),
-    (["experiments.reproduce_ablations", "--config=configs/ablations.py:quick",
-      "--config.shapes=mine"], "config.shapes: 'mine' must be 'NAME=path/to/config.json'"),
-    (["experiments.reproduce_ablations", "--config=configs/ablations.py:quick",
-      "--config.pairs=llama3-8b/llama-7b"],
-     "unknown model shape 'llama3-8b'; known: ['llama-13b', 'llama-33b', 'llama-65b', "
-     "'llama-7b'] (a model of your own: config.shapes='NAME=path/to/config.json')"),
-    # prompt and response lengths share LengthSpec's messages: the section is named
-    (["experiments.reproduce_ablations", "--config=configs/ablations.py:quick",
-      "--config.prompt.median=-5"], "config.prompt: lengths: lognormal needs median=-5.0 > 0"),
-    (["experiments.reproduce_ablations", "--config=configs/ablations.py:quick",
-      "--config.response.kind=empirical", "--config.response.path=/nonexistent/l.npy"],
-     "config.response.path='/nonexistent/l.npy': no such file"),
     # a training config's field under plan_check: named as the flag the user typed
     (["experiments.plan_check", "--config=configs/plan_check.py:tiny",
       "--run_config=configs/ppo_tiny.py", "--run_config.algo.minibatch_size=5"],
@@ -616,6 +580,78 @@ def test_bench_async_refuses_a_workdir_of_another_config(tmp_path):
 def test_binaries_name_the_bad_field(tmp_path, args, message):
   out = _run(args + [f"--workdir={tmp_path}"])
   assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]
+
+
+# bench_pipeline's refusals that its main's first two calls raise (BenchPipelineConfig.
+# from_config_dict, check_run), all in one process (a start of the binary is 2 s each; a bad
+# actor_microbatches above goes through its command line).
+_BENCH_PIPELINE_CHECKS = """
+import json, sys
+from configs import bench_pipeline as cb
+from experiments import bench_pipeline as bp
+said = []
+for overrides in json.loads(sys.argv[1]):
+  c = cb.get_config()
+  for field, value in overrides.items():
+    section, _, name = field.rpartition(".")
+    (c[section] if section else c)[name] = value
+  try:
+    bp.check_run(bp.BenchPipelineConfig.from_config_dict(c))
+    said.append(None)
+  except ValueError as e:
+    said.append(str(e))
+print(json.dumps(said))
+"""
+
+
+def test_bench_pipeline_names_the_bad_field():
+  cases = [
+      ({"seed": -1}, "config.seed=-1 must be >= 0"),
+      # (was "model.max_seq_len=-12 must be a positive integer", a field it does not have)
+      ({"prompt_len": -20}, "config.prompt_len=-20 must be >= 1"),
+      # each named a field this config does not have (model.*, loss.*; "None: unclipped")
+      ({"critic.vocab_size": 0}, "config.critic: model.vocab_size=0 must be a positive"),
+      ({"clip_eps": -1}, "config.clip_eps=-1.0 must be in (0, 1)"),
+      ({"value_clip_eps": -1}, "config.value_clip_eps=-1.0: expected >= 0 (0: unclipped)"),
+      # (refused by the executor only at the first compile, ~30 s in, the earlier outputs moved)
+      ({"critic_microbatches": 3}, "config.critic_microbatches=3 x the critic's 2 replicas")]
+  out = subprocess.run([sys.executable, "-c", _BENCH_PIPELINE_CHECKS,
+                        json.dumps([overrides for overrides, _ in cases])], cwd=REPO, env=_env(),
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-3000:]
+  said = json.loads(out.stdout.strip().splitlines()[-1])
+  for (overrides, message), line in zip(cases, said, strict=True):
+    assert line is not None and message in line, (overrides, line)
+
+
+# reproduce_ablations' refusals that AblationConfig.from_config_dict raises, the first thing its
+# main does (a bad validate.bench_generation_workdir above is one of its main's own, and shows
+# its refusals reach the command line): in-process, without a 2 s start of the binary for each.
+@pytest.mark.parametrize("overrides, message", [
+    ({"max_new_tokens": "abc"},
+     "config.max_new_tokens='abc': expected comma-separated positive integers"),
+    # a setting twice: simulated twice, the second replacing the first in every table
+    ({"max_new_tokens": "512,512"},
+     "config.max_new_tokens names 512 more than once: each setting once, expected"),
+    ({"shapes": "mine"}, "config.shapes: 'mine' must be 'NAME=path/to/config.json'"),
+    ({"pairs": "llama3-8b/llama-7b"},
+     "unknown model shape 'llama3-8b'; known: ['llama-13b', 'llama-33b', 'llama-65b', "
+     "'llama-7b'] (a model of your own: config.shapes='NAME=path/to/config.json')"),
+    # prompt and response lengths share LengthSpec's messages: the section is named
+    ({"prompt.median": -5}, "config.prompt: lengths: lognormal needs median=-5.0 > 0"),
+    ({"response.kind": "empirical", "response.path": "/nonexistent/l.npy"},
+     "config.response.path='/nonexistent/l.npy': no such file"),
+])
+def test_reproduce_ablations_names_the_bad_field(overrides, message):
+  from configs import ablations as ablations_config
+  from rlhfuse_jax.sim import ablations
+  c = ablations_config.get_config("quick")
+  for field, value in overrides.items():
+    section, _, name = field.rpartition(".")
+    (c[section] if section else c)[name] = value
+  with pytest.raises(ValueError) as e:
+    ablations.AblationConfig.from_config_dict(c)
+  assert message in str(e.value)
 
 
 def test_a_bad_calibrate_sim_value_leaves_the_earlier_calibration_in_place(tmp_path):
