@@ -224,34 +224,38 @@ def test_redraw_names_a_result_without_the_data_or_of_another_binary(tmp_path):
     made[name].mkdir()
     (made[name] / "result.json").write_text(json.dumps({"runs": {}, "provenance": {
         "command": f"python -m experiments.{binary} --workdir=x"}}))
-  # (one binary per process: both define --config)
+  # (one binary per process: both define --config; each process reads both its workdirs)
   code = """
 import sys
 from experiments import {binary} as b
-try:
-  b.redraw(sys.argv[1])
-  print("drawn")
-except ValueError as e:
-  print(e)
+for where in sys.argv[1:]:
+  try:
+    b.redraw(where)
+    print("drawn")
+  except ValueError as e:
+    print(e)
 """
-  said = []
-  for binary, where in (("bench_generation", "gen"), ("bench_async", "async"),
-                        ("bench_generation", "async"), ("bench_async", "other"),
-                        ("reproduce_ablations", "abl"), ("reproduce_ablations", "gen")):
+  said = {}  # (binary, workdir): its line
+  for binary, wheres in (("bench_generation", ("gen", "async")),
+                         ("bench_async", ("async", "other")),
+                         ("reproduce_ablations", ("abl", "gen"))):
     out = subprocess.run([sys.executable, "-c", code.format(binary=binary),
-                          str(made[where])], cwd=REPO, env=subprocess_env(None),
-                         capture_output=True, text=True, timeout=300)
+                          *(str(made[where]) for where in wheres)], cwd=REPO,
+                         env=subprocess_env(None), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    said.append(out.stdout.strip().splitlines()[-1])
-  assert said[0].startswith(f"{made['gen']}/result.json: no `timelines` ("), said
-  assert said[1].startswith(f"{made['async']}/result.json: no `curves` ("), said
-  assert said[2] == (f"{made['async']}/result.json: written by experiments.bench_async, not "
-                     "experiments.bench_generation"), said
-  assert said[3] == (f"{made['other']}/result.json: written by experiments.bench_decode, not "
-                     "experiments.bench_async"), said
-  assert said[4].startswith(f"{made['abl']}/result.json: no `figures` ("), said
-  assert said[5] == (f"{made['gen']}/result.json: written by experiments.bench_generation, not "
-                     "experiments.reproduce_ablations"), said
+    lines = out.stdout.strip().splitlines()[-2:]
+    said.update({(binary, where): line for where, line in zip(wheres, lines, strict=True)})
+  gen, asy, abl = "bench_generation", "bench_async", "reproduce_ablations"
+  assert said[gen, "gen"].startswith(f"{made['gen']}/result.json: no `timelines` ("), said
+  assert said[asy, "async"].startswith(f"{made['async']}/result.json: no `curves` ("), said
+  assert said[gen, "async"] == (f"{made['async']}/result.json: written by "
+                                "experiments.bench_async, not experiments.bench_generation"), said
+  assert said[asy, "other"] == (f"{made['other']}/result.json: written by "
+                                "experiments.bench_decode, not experiments.bench_async"), said
+  assert said[abl, "abl"].startswith(f"{made['abl']}/result.json: no `figures` ("), said
+  assert said[abl, "gen"] == (f"{made['gen']}/result.json: written by "
+                              "experiments.bench_generation, not experiments.reproduce_ablations"
+                              ), said
 
 
 _ROUNDED = """
@@ -460,31 +464,37 @@ def test_a_timeline_and_a_schedule_read_back_from_their_data_as_drawn(tmp_path):
 KEPT_ABLATIONS = os.path.join(REPO, "experiments", "results", "ablations_2026-12-06")
 
 
-@pytest.mark.parametrize("k", [1, 8, 16])
-def test_the_kept_chunk_steps_results_redraw_from_their_figures(tmp_path, k):
+def test_the_kept_chunk_steps_results_redraw_from_their_figures(tmp_path):
   """ablations_2026-12-06/chunk_steps_K/ were re-run (2026-12-07, the same rows) to keep
   `figures`: their PNGs redraw from result.json alone (in a copy), the timelines those of
-  the rows they stand for."""
-  with open(os.path.join(KEPT_ABLATIONS, f"chunk_steps_{k}", "result.json")) as f:
-    text = f.read()
-  result = json.loads(text)
-  (tmp_path / "result.json").write_text(text)
+  the rows they stand for. (All three in one process: reproduce_ablations' import is 2 s.)"""
+  results = {}
+  for k in (1, 8, 16):
+    with open(os.path.join(KEPT_ABLATIONS, f"chunk_steps_{k}", "result.json")) as f:
+      text = f.read()
+    results[k] = json.loads(text)
+    (tmp_path / str(k)).mkdir()
+    (tmp_path / str(k) / "result.json").write_text(text)
   code = _CAPTURE + """
 import sys
 from experiments import reproduce_ablations as ra
-paths = ra.redraw(sys.argv[1])
-print(json.dumps({"paths": paths, "seen": SEEN}))
+got = []
+for where in sys.argv[1:]:
+  SEEN.clear()
+  got.append({"paths": ra.redraw(where), "seen": list(SEEN)})
+print(json.dumps(got))
 """
-  got = _python(code, str(tmp_path))
-  names = ["iteration_time.png", "generation_timeline.png"]
-  assert got["paths"] == [str(tmp_path / n) for n in names]
-  assert [name for name, _ in got["seen"]] == names
-  rows = {r["system"]: r for r in result["rows"]}
-  panels = result["figures"]["generation_timeline"]["panels"]
-  for panel, system in zip(panels, ("rlhfuse_base", "inter_stage")):
-    assert panel["timeline"]["gen_plus_inf_s"] == rows[system]["gen_plus_inf_s"]
-  timeline_axes = got["seen"][1][1]
-  assert f"gen+inf {rows['inter_stage']['gen_plus_inf_s']:.3g}s" in timeline_axes[1]["title"]
+  drawn = _python(code, *(str(tmp_path / str(k)) for k in results))
+  for (k, result), got in zip(results.items(), drawn, strict=True):
+    names = ["iteration_time.png", "generation_timeline.png"]
+    assert got["paths"] == [str(tmp_path / str(k) / n) for n in names]
+    assert [name for name, _ in got["seen"]] == names
+    rows = {r["system"]: r for r in result["rows"]}
+    panels = result["figures"]["generation_timeline"]["panels"]
+    for panel, system in zip(panels, ("rlhfuse_base", "inter_stage")):
+      assert panel["timeline"]["gen_plus_inf_s"] == rows[system]["gen_plus_inf_s"]
+    timeline_axes = got["seen"][1][1]
+    assert f"gen+inf {rows['inter_stage']['gen_plus_inf_s']:.3g}s" in timeline_axes[1]["title"]
 
 
 # iteration_time.png as drawn: the figure's heading, each panel's title, systems, bar labels
@@ -508,8 +518,11 @@ def _record(fig, path, *a, **kw):
 
 matplotlib.figure.Figure.savefig = _record
 from experiments import reproduce_ablations as ra
-paths = ra.redraw(sys.argv[1])
-print(json.dumps({"paths": paths, "seen": SEEN}))
+got = []
+for where in sys.argv[1:]:
+  SEEN.clear()
+  got.append({"paths": ra.redraw(where), "seen": list(SEEN)})
+print(json.dumps(got))
 """
 
 
@@ -525,22 +538,22 @@ def test_a_result_kept_without_figures_redraws_its_iteration_times_from_its_rows
                                               if k != "figures"})):
     where.mkdir()
     (where / "result.json").write_text(json.dumps(kept))
-  got_full, got_bare = _python(_BARS, str(full)), _python(_BARS, str(bare))
-  assert got_bare["paths"] == [str(bare / "iteration_time.png")]
-  assert got_bare["seen"] == got_full["seen"][:1]
-  assert (_pixels(bare / "iteration_time.png") == _pixels(full / "iteration_time.png")).all()
   old = tmp_path / "old"
   old.mkdir()
   with open(os.path.join(REPO, "experiments", "results", "ablations_2026-12-05",
                          "result.json")) as f:
     rows = json.load(f)["rows"]
   (old / "result.json").write_text(json.dumps({"rows": rows}))
-  out = subprocess.run([sys.executable, "-c", _BARS, str(old)], cwd=REPO,
+  # (the three in one process: reproduce_ablations' import is 2 s)
+  out = subprocess.run([sys.executable, "-c", _BARS, str(full), str(bare), str(old)], cwd=REPO,
                        env=subprocess_env(None), capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
+  got_full, got_bare, got = json.loads(out.stdout.strip().splitlines()[-1])
+  assert got_bare["paths"] == [str(bare / "iteration_time.png")]
+  assert got_bare["seen"] == got_full["seen"][:1]
+  assert (_pixels(bare / "iteration_time.png") == _pixels(full / "iteration_time.png")).all()
   assert (f"{old}/result.json: no `figures` (written before 2026-12-07): iteration_time.png "
           "alone, from its rows" in out.stderr), out.stderr[-3000:]
-  got = json.loads(out.stdout.strip().splitlines()[-1])
   figure, = got["seen"]
   assert figure["heading"] == "simulated iteration time on 256 x h100_sxm"
   labels = list(dict.fromkeys(r["setting"]["label"] for r in rows))
