@@ -1,5 +1,6 @@
 """plan_check on the tiny plan: result.json holds every field, and what it reports from shapes
 equals the memory of the same update compiled from real arrays built as the trainer builds them."""
+import copy as copy_lib
 import dataclasses
 import json
 import logging as std_logging
@@ -1259,7 +1260,24 @@ def _tiny_workload(cfg):
                      reward_model=False)  # (ppo_tiny scores with a function)
 
 
-def test_async_ppos_copy_of_the_actor_stands_beside_the_update_and_the_generation(tmp_path):
+@pytest.fixture(scope="module")
+def async_mesh_plan(tmp_path_factory):
+  """(cfg, result, result.json's programs) of _tiny_mesh_generation at staleness 1, compiled
+  once for the two tests that read it (plan_check compiles every program afresh, with the
+  persistent cache off: a second run_and_write of the same plan cost its whole compile again).
+  Each test takes a deep copy: none sees what another changed."""
+  c = _tiny_mesh_generation()
+  c.staleness = 1
+  cfg = plan_programs.PlanConfig.from_config_dict(c)
+  workdir = str(tmp_path_factory.mktemp("async_mesh_plan"))
+  result = plan_programs.run_and_write(cfg, workdir)
+  with open(os.path.join(workdir, "result.json")) as f:
+    programs = json.load(f)["programs"]
+  return cfg, result, programs
+
+
+def test_async_ppos_copy_of_the_actor_stands_beside_the_update_and_the_generation(
+    async_mesh_plan):
   """The copy counts where the trainer holds it, beside the whole training state: beside the
   train step (whose peak alone was its fit), beside every program of the generation it feeds
   (on the serial stage not beside decode and prefill, whose argument it is: the state's own
@@ -1267,12 +1285,7 @@ def test_async_ppos_copy_of_the_actor_stands_beside_the_update_and_the_generatio
   that run before it is made; in result.json, the table's "+state" column and the verdict, so
   a plan that fits without it but not with it does not fit (plan_check's exit status reads
   every program's fit)."""
-  c = _tiny_mesh_generation()
-  c.staleness = 1
-  cfg = plan_programs.PlanConfig.from_config_dict(c)
-  result = plan_programs.run_and_write(cfg, str(tmp_path))
-  with open(os.path.join(tmp_path, "result.json")) as f:
-    programs = json.load(f)["programs"]
+  cfg, result, programs = copy_lib.deepcopy(async_mesh_plan)
   copy = plan_programs.actor_copy_bytes(cfg, plan_programs.train_mesh(cfg))
   assert copy > 0 and result["plan"]["actor_copy_bytes"] == copy
   train = programs["train_step"]
@@ -2545,7 +2558,8 @@ def test_the_runs_old_logp_and_staleness_decide_the_actor_logp_program(tmp_path)
       plan_programs.PlanConfig.from_config_dict(c), None) == {}
 
 
-def test_async_ppos_current_critic_values_are_compiled_beside_the_training_state(tmp_path):
+def test_async_ppos_current_critic_values_are_compiled_beside_the_training_state(
+    async_mesh_plan):
   """Asynchronous PPO (staleness > 0) scores each batch generated earlier again with the
   current critic on the training devices, every iteration, beside the whole training state
   (trainer/loop.py _current_values), a program plan_check did not compile. It is
@@ -2554,13 +2568,9 @@ def test_async_ppos_current_critic_values_are_compiled_beside_the_training_state
   its arguments hold and, on the serial stage, the reference kept on the mesh; in result.json,
   the table (its name in the column's width) and the verdict (the exit status reads every
   program's fit)."""
-  c = _tiny_mesh_generation()
-  c.staleness = 1
-  cfg = plan_programs.PlanConfig.from_config_dict(c)
+  cfg, result, programs = copy_lib.deepcopy(async_mesh_plan)
   assert cfg.critic_values_pass
-  result = plan_programs.run_and_write(cfg, str(tmp_path))
-  with open(os.path.join(tmp_path, "result.json")) as f:
-    p = json.load(f)["programs"]["critic_values"]
+  p = programs["critic_values"]
   train = result["programs"]["train_step"]
   assert (p["rows"], p["mesh"], p["pieces_split_over"]) == (8, "training", 4)
   mesh = plan_programs.train_mesh(cfg)
