@@ -1363,6 +1363,60 @@ def test_a_full_disk_at_a_log_row_stops_the_run_as_a_failed_save_does(tmp_path, 
     assert [r["step"] for r in wd.read_jsonl(os.path.join(run, log))] == [1, 2, 3, 4]
 
 
+def _full_disk_under(monkeypatch, directory: str, name: str = "") -> None:
+  """os.fsync fails with ENOSPC (written data meeting a full disk) for the files in `directory`
+  whose name ends with `name`."""
+  real = os.fsync
+
+  def fsync(fd):
+    target = os.readlink(f"/proc/self/fd/{fd}")
+    if os.path.dirname(target) == directory and target.endswith(name):
+      raise OSError(errno.ENOSPC, "No space left on device")
+    real(fd)
+  monkeypatch.setattr(os, "fsync", fsync)
+
+
+def test_a_full_disk_at_the_start_s_config_json_stops_the_run_as_a_failed_save_does(
+    tmp_path, monkeypatch):
+  """The start's config.json (config.K.json on a resume) on a full disk ended the run with the
+  bare OSError (train_ppo: exit 1, a traceback), where the same disk at a metrics row or a save
+  exits 3: now a SaveError naming the file and what the same command does once space is freed,
+  before anything else is written."""
+  run = str(tmp_path / "run")
+  os.makedirs(run)
+  _full_disk_under(monkeypatch, run, "config.json")
+  with pytest.raises(checkpointing.SaveError) as e:
+    PPOTrainer(tiny_config(), run).run(config_record={"start": "first"})
+  assert str(e.value) == (
+      f"writing {run}/config.json failed: OSError: [Errno 28] No space left on device; no "
+      "checkpoint was saved yet: once the cause is fixed, the same command starts the run over")
+  assert sorted(n for n in os.listdir(run) if n != ".lock") == ["checkpoints"]  # (empty)
+
+
+def test_a_full_disk_at_the_hf_export_says_the_finished_run_is_kept(tmp_path, monkeypatch):
+  """checkpoint.export_hf on a full disk at the end of the run ended it with the bare OSError
+  (train_ppo: exit 1, a traceback): now a SaveError (exit 3) naming the export and saying that
+  the finished run lost nothing and that the same command writes the export again, which it
+  does, training nothing."""
+  from rlhfuse_jax.trainer import hf_export
+  run = str(tmp_path / "run")
+  cfg = tiny_config(num_iterations=2, **{"checkpoint.export_hf": "auto"})
+  _full_disk_under(monkeypatch, hf_export.export_work_dirs(os.path.join(run, "hf_export"))[0])
+  with pytest.raises(checkpointing.SaveError) as e:
+    PPOTrainer(cfg, run).run()
+  assert str(e.value) == (
+      f"writing {run}/hf_export failed: OSError: [Errno 28] No space left on device; the run is "
+      "finished and nothing of it is lost: checkpoint 2 and the metrics through it are intact, "
+      "and the same command, re-run once the cause is fixed, trains nothing and writes "
+      "result.json and the HF export (where asked) again")
+  assert not os.path.exists(os.path.join(run, "hf_export"))
+  monkeypatch.undo()
+  redo = PPOTrainer(cfg, run)
+  assert redo.export_only and redo.run() == []
+  assert hf_export.exported_step(os.path.join(run, "hf_export")) == 2
+  assert [r["step"] for r in wd.read_jsonl(os.path.join(run, "metrics.jsonl"))] == [1, 2]
+
+
 def test_a_failed_last_save_is_raised_unless_another_error_is_leaving(tmp_path):
   """The end of run(): a failed final save is the run's error; while another error is already
   on its way out it is logged instead, so that it does not hide that one."""

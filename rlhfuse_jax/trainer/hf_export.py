@@ -25,7 +25,7 @@ from rlhfuse_jax.models import hf_loader
 from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.trainer.config import TrainConfig
-from rlhfuse_jax.trainer.hooks import Hook
+from rlhfuse_jax.trainer.hooks import Hook, writing
 
 HF_EXPORT_DIR = "hf_export"
 # The models an export can hold: the actor, or the critic of a run that trains one.
@@ -375,7 +375,9 @@ class HFExport(Hook):
       self.export(step)
 
   def export(self, step: int) -> None:
-    family = export_hf(self.params_fn(), self.cfg, self.out_dir, step, self.tokenizer,
-                       self.workdir)
+    # A full disk: hooks.LogWriteError (train_ppo: exit 3, as a failed save), naming the file.
+    with writing(self.out_dir):
+      family = export_hf(self.params_fn(), self.cfg, self.out_dir, step, self.tokenizer,
+                         self.workdir)
     logging.info("exported the actor of iteration %d as a HF %s checkpoint: %s", step, family,
                  self.out_dir)

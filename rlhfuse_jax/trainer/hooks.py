@@ -287,18 +287,20 @@ def warn_missing_rows(path: str, missing: list[int], start: int) -> None:
 
 
 class LogWriteError(checkpointing.SaveError):
-  """A row of metrics.jsonl or samples.jsonl, or TensorBoard's events, could not be written (a
-  full disk). The run stops as on a failed checkpoint save, a kind of which it is (train_ppo:
-  exit 3, the path and the checkpoint kept in one line): a full disk exited 1 here and 3 at a
-  save, two meanings of one fault for a scheduler. What the checkpoints cover stays: the files
-  are only appended to, and a torn row after the latest checkpoint is dropped at the next start
-  with the other rows that checkpoint does not cover."""
+  """A record of the run other than a checkpoint could not be written (a full disk): a row of
+  metrics.jsonl or samples.jsonl, TensorBoard's events, a start's config.json (config.K.json),
+  the HF export (checkpoint.export_hf), train_ppo's result.json. The run stops as on a failed
+  checkpoint save, a kind of which it is (train_ppo: exit 3, the path and the checkpoint kept in
+  one line): a full disk exited 1 here and 3 at a save, two meanings of one fault for a
+  scheduler. What the checkpoints cover stays: the logs are only appended to, and a torn row
+  after the latest checkpoint is dropped at the next start with the other rows that checkpoint
+  does not cover; the others are written whole or not at all, and written again by a re-run."""
 
 
 @contextlib.contextmanager
-def _writing(path: str):
-  """Re-raises an OSError of a write of the run's log as LogWriteError naming the file (`path`
-  where the error names none: TensorBoard's writes, an fsync)."""
+def writing(path: str):
+  """Re-raises an OSError of a write of the run's records as LogWriteError naming the file
+  (`path` where the error names none: TensorBoard's writes, an fsync)."""
   try:
     yield
   except OSError as e:
@@ -322,13 +324,13 @@ class MetricsLog(Hook):
 
   def begin(self, start: int) -> None:
     self.progress = metrics_lib.ProgressReporter(self.cfg.num_iterations, start, self.started)
-    with _writing(self.events):
+    with writing(self.events):
       self.writer = metrics_lib.MetricWriter(self.workdir, enabled=jax.process_index() == 0,
                                              purge_step=start + 1)
       warn_missing_rows(self.writer.path, self.writer.truncate_after(start), start)
 
   def after(self, step: int, metrics: dict, stopping: bool) -> None:
-    with _writing(self.events):
+    with writing(self.events):
       self.writer.write(step, metrics)
     self.progress.tick(step)  # the ETA's pace starts after the first iteration, logged or not
     # (and the iteration a signal stops after: where the run stands, whatever log_every is)
@@ -339,7 +341,7 @@ class MetricsLog(Hook):
 
   def end(self, failing: bool) -> None:
     if self.writer is not None:
-      with _writing(self.events):
+      with writing(self.events):
         self.writer.close()
 
 
@@ -356,13 +358,13 @@ class SamplesLog(Hook):
   def begin(self, start: int) -> None:
     self.enabled = jax.process_index() == 0
     if self.enabled and os.path.exists(self.path):
-      with _writing(self.path):
+      with writing(self.path):
         wd.keep_jsonl_through(self.path, start, rows=False)
 
   def after(self, step: int, metrics: dict, stopping: bool) -> None:
     rows = self.take()
     if rows and self.enabled:
-      with _writing(self.path):
+      with writing(self.path):
         for row in rows:
           wd.append_jsonl(self.path, {"step": step, **row})
 

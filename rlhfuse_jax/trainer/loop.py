@@ -1357,7 +1357,8 @@ class PPOTrainer:
       hooks.agree_setup_signal()  # (before anything is written for this start)
       if (config_record is not None and start < self.cfg.num_iterations and
           jax.process_index() == 0):
-        wd.write_config_history(self.workdir, config_record, start)
+        with hooks.writing(os.path.join(self.workdir, "config.json")):  # (a full disk: exit 3)
+          wd.write_config_history(self.workdir, config_record, start)
       if self.export_only and start < self.cfg.num_iterations:
         logging.warning("the newest checkpoint could not be restored: training iterations "
                         "%d-%d again from checkpoint %d, then exporting", start + 1,
@@ -1393,17 +1394,19 @@ class PPOTrainer:
         # A save into a workdir moved away fails with orbax's long NOT_FOUND: say why, first.
         moved = self._moved("writing its metrics failed" if isinstance(e, hooks.LogWriteError)
                             else "the checkpoint save in progress failed")
-        e.args = (f"{moved}. ({e})",) if moved else (f"{e}{self._kept_after_failed_write()}",)
+        e.args = (f"{moved}. ({e})",) if moved else (f"{e}{self.kept_after_failed_write()}",)
       self.release_lock()
       raise
     if not keep_lock:
       self.release_lock()
     return out
 
-  def _kept_after_failed_write(self) -> str:
-    """What a run stopped by a failed write (a checkpoint save, a metrics row: SaveError) keeps,
-    said after its error: the end hooks have waited for the save before it, so the newest
-    finished checkpoint is the one the same command resumes from."""
+  def kept_after_failed_write(self) -> str:
+    """What a run stopped by a failed write (a checkpoint save, a metrics row, config.json, the
+    HF export, train_ppo's result.json: SaveError) keeps, said after its error: the end hooks
+    have waited for the save before it, so the newest finished checkpoint is the one the same
+    command resumes from; a finished run's re-run trains nothing and writes result.json and
+    the export (export_pending) again."""
     try:
       latest = self.checkpoints.checkpointer.latest_step()
     except Exception:  # noqa: BLE001 (the checkpoints directory itself unreadable: say nothing)
@@ -1411,6 +1414,11 @@ class PPOTrainer:
     if latest is None:
       return ("; no checkpoint was saved yet: once the cause is fixed, the same command starts "
               "the run over")
+    if latest >= self.cfg.num_iterations:
+      return (f"; the run is finished and nothing of it is lost: checkpoint {latest} and the "
+              "metrics through it are intact, and the same command, re-run once the cause is "
+              "fixed, trains nothing and writes result.json and the HF export (where asked) "
+              "again")
     return (f"; nothing saved before is lost: checkpoint {latest} and the metrics through it are "
             "intact, and the same command resumes from it once the cause is fixed")
 
