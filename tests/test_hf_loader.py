@@ -4,6 +4,7 @@ No torch or transformers at test time: golden logits were recorded from HF once.
 checkpoints are built in tmp_path by editing config.json or re-saving the safetensors.
 """
 import dataclasses
+import errno
 import functools
 import glob
 import json
@@ -646,6 +647,29 @@ def test_a_failed_export_over_a_checkpoint_leaves_that_checkpoint(tmp_path, monk
   assert sorted(os.path.basename(p) for p in synced) == [".tmp_config.json",
                                                          ".tmp_model.safetensors"]
   assert renamed == [2, 2]
+
+
+def test_a_full_disk_at_the_weights_is_an_os_error_naming_the_file(tmp_path):
+  """safetensors' failed write (here past a file-size limit, EFBIG, as a full disk fails with
+  ENOSPC) raised its SafetensorError, no OSError, which the run's handling of a full disk
+  (train_ppo: exit 3) missed: now the OSError it wraps, naming the file; nothing is left."""
+  import resource
+  import signal
+  cfg = llama.ModelConfig(vocab_size=16, hidden_size=64, intermediate_size=128, num_layers=1,
+                          num_heads=2, num_kv_heads=1)  # weights of ~120 kB, config.json < 1 kB
+  out = str(tmp_path / "ckpt")
+  params = llama.host_random_params(cfg, 0)
+  soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+  handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (else it kills the process)
+  resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, hard))
+  try:
+    with pytest.raises(OSError) as e:
+      hf_loader.save_hf_checkpoint(params, cfg, out)
+  finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    signal.signal(signal.SIGXFSZ, handler)
+  assert (e.value.errno, e.value.filename) == (errno.EFBIG, os.path.join(out, "model.safetensors"))
+  assert os.listdir(out) == []
 
 
 def test_an_export_of_weights_the_loader_refuses_writes_nothing(tmp_path):

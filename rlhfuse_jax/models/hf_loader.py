@@ -543,6 +543,26 @@ def hf_config_dict(cfg: llama.ModelConfig, torch_dtype: Optional[str] = None,
   return hf
 
 
+# The OS error inside a safetensors write's error (0.8: "I/O error: No space left on device (os
+# error 28)"; 0.4: "IoError(Os { code: 28, ... })").
+_SAFETENSORS_OS_ERROR = re.compile(r"os error (\d+)|\bcode: (\d+)")
+
+
+@contextlib.contextmanager
+def _os_error_of_safetensors(path: str):
+  """Re-raises safetensors' error of a failed write (a full disk) as the OSError it wraps, naming
+  `path`: its SafetensorError is no OSError, so a caller's handling of a full disk (train_ppo:
+  exit 3, trainer/hooks.writing) missed the largest file of an export."""
+  try:
+    yield
+  except safetensors.SafetensorError as e:
+    found = _SAFETENSORS_OS_ERROR.search(str(e))
+    if found is None:
+      raise
+    code = int(found.group(1) or found.group(2))
+    raise OSError(code, os.strerror(code), path) from e
+
+
 def save_hf_checkpoint(params: Any, cfg: llama.ModelConfig, out_dir: str,
                        family: Optional[str] = None) -> None:
   """Writes `params` as a HF checkpoint: config.json + one model.safetensors.
@@ -597,7 +617,8 @@ def save_hf_checkpoint(params: Any, cfg: llama.ModelConfig, out_dir: str,
   tmp, config_tmp = (os.path.join(out_dir, f"{wd.TMP_PREFIX}{n}")
                      for n in (SINGLE_FILE, CONFIG_FILE))
   try:
-    safetensors.numpy.save_file(tensors, tmp, metadata={"format": "pt"})
+    with _os_error_of_safetensors(path):
+      safetensors.numpy.save_file(tensors, tmp, metadata={"format": "pt"})
     os.chmod(tmp, wd.PLAIN_FILE_MODE)
     with open(config_tmp, "w") as f:
       json.dump(hf_config, f, indent=2, sort_keys=True)
