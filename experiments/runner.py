@@ -155,6 +155,7 @@ class RunLog:
 
   def __init__(self):
     self.path: Optional[str] = None
+    self.where = "kept by the caller"  # where the log goes, said when the workdir is locked
     self._started = time.strftime('%Y-%m-%d %H:%M:%S')
     self._file: Optional[_LogFile] = None
     self._stderr_formatter: Optional[py_logging.Formatter] = None  # absl's, while replaced
@@ -170,8 +171,18 @@ class RunLog:
       return self.path
     from absl import logging as absl_logging  # the format of absl's stderr lines
     name = "log.txt" if process_index == 0 else f"log.proc{process_index}.txt"
-    self.path = os.path.join(workdir, name)
-    self._file = _LogFile(self.path, mode="a", encoding="utf-8")
+    path = os.path.join(workdir, name)
+    try:
+      self._file = _LogFile(path, mode="a", encoding="utf-8")
+    except OSError as e:  # a full disk (no room for a new file): as a write that fails, said once
+      # (it ended the run, exit 1 with a traceback; a full disk stops it at the run's own next
+      # write instead: exit 3, the checkpoint kept in one line)
+      sys.stderr.write(f"{path}: cannot write ({type(e).__name__}: {e}); this run's log is on "
+                       "stderr only\n")
+      py_logging.getLogger().removeHandler(self._buffer)  # (stderr had its records)
+      self.where = "stderr only"
+      return None
+    self.path = self.where = path
     self._file.setFormatter(absl_logging.PythonFormatter())
     for f in absl_logging.get_absl_handler().filters:  # what stderr leaves out (libraries' INFO)
       self._file.addFilter(f)

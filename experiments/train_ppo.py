@@ -16,11 +16,11 @@ run is refused, listing the fields. One run per workdir (a lock names the holder
 
 Exit status: 0 done; 75 stopped by SIGTERM/SIGINT after saving a checkpoint (re-run to resume);
 1 an error (the message names the field, file or iteration); 3 writing the run's progress failed
-(a checkpoint save, or a row of metrics.jsonl or samples.jsonl; e.g. a full disk); 69 the
-run cannot go on, nothing saved since the last checkpoint (re-run to resume): a collective lost
-another process of a multi-process run, or an iteration outlasted guard.iteration_timeout_s
-(docs/usage.md); 130 a second Ctrl-C stopped it without saving (re-run to resume from the last
-checkpoint).
+(a checkpoint save, a row of metrics.jsonl or samples.jsonl, config.json, result.json, the HF
+export; e.g. a full disk); 69 the run cannot go on, nothing saved since the last checkpoint
+(re-run to resume): a collective lost another process of a multi-process run, or an iteration
+outlasted guard.iteration_timeout_s (docs/usage.md); 130 a second Ctrl-C stopped it without
+saving (re-run to resume from the last checkpoint).
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ from rlhfuse_jax.trainer.loop import EXIT_STOPPED_BY_SIGNAL, PPOTrainer, TIMING_
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd process
 
-EXIT_SAVE_FAILED = 3  # checkpointing.SaveError: a save, or a metrics row (hooks.LogWriteError)
+EXIT_SAVE_FAILED = 3  # checkpointing.SaveError: a save, or another record (hooks.LogWriteError)
 
 # What result.json's trained_by (and each checkpoint) keeps of the start that trained each
 # span of iterations: provenance() is the last start's alone, and a finished run re-run (or
@@ -316,7 +316,7 @@ def _start_and_train(run_log: runner.RunLog) -> tuple[TrainConfig, PPOTrainer]:
     # every process's compiles), and a peer lost there exited 1 or, on process 0, was aborted
     # by jax (134) during its grace before exiting, where the same loss mid-run exits 69.
     trainer = PPOTrainer(cfg, workdir, given=overrides, on_locked=lambda: logging.info(
-        "log: %s", run_log.keep_in(workdir, jax.process_index()) or "kept by the caller"))
+        "log: %s", run_log.keep_in(workdir, jax.process_index()) or run_log.where))
     # The lock stays held while result.json is written: another start on this workdir in
     # between could change metrics.jsonl while it is summarised.
     # result.json is summarised from metrics.jsonl: no per-iteration rows kept in memory
@@ -397,7 +397,13 @@ def _main(run_log: runner.RunLog) -> None:
     export = os.path.join(workdir, hf_export.HF_EXPORT_DIR)
     if cfg.checkpoint.export_hf and os.path.isdir(export):
       result["hf_export"] = export
-    runner.write_result(workdir, result)
+    try:
+      with hooks.writing(os.path.join(workdir, "result.json")):
+        runner.write_result(workdir, result)
+    except hooks.LogWriteError as e:  # a full disk: exit 3 in one line, as a failed save
+      trainer.release_lock()
+      logging.error("%s%s", e, trainer.kept_after_failed_write())
+      sys.exit(EXIT_SAVE_FAILED)
     runner.clear_earlier_traceback(workdir)
     logging.info("%s", closing_line(result, os.path.join(workdir, "result.json")))
   trainer.release_lock()

@@ -1417,6 +1417,55 @@ def test_a_full_disk_at_the_hf_export_says_the_finished_run_is_kept(tmp_path, mo
   assert [r["step"] for r in wd.read_jsonl(os.path.join(run, "metrics.jsonl"))] == [1, 2]
 
 
+# A sitecustomize for the binary below: log.txt cannot be created, result.json's fsync fails.
+_FULL_AT_LOG_AND_RESULT = """import builtins, errno, os
+_W, _open = {run!r}, builtins.open
+def _refused(file, *args, **kwargs):
+  if file == os.path.join(_W, "log.txt"):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), file)
+  return _open(file, *args, **kwargs)
+def _fsync(fd, _real=os.fsync):
+  target = os.readlink(f"/proc/self/fd/{{fd}}")
+  if os.path.dirname(target) == _W and target.endswith("result.json"):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+  _real(fd)
+builtins.open, os.fsync = _refused, _fsync
+"""
+
+
+def test_a_full_disk_at_log_txt_and_result_json_ends_the_binary_in_one_line(tmp_path):
+  """The binary's own writes on a full disk: log.txt that cannot be created ended the run at
+  its start with a traceback (exit 1), and result.json that cannot be written ended a finished
+  run the same way. Now log.txt is said once, as a write to it that fails (the log goes on on
+  stderr), and result.json exits 3 in one line naming it and what is kept; the same command
+  re-run writes result.json, training nothing."""
+  run, site = str(tmp_path / "run"), tmp_path / "site"
+  site.mkdir()
+  (site / "sitecustomize.py").write_text(_FULL_AT_LOG_AND_RESULT.format(run=run))
+  env = _env()
+  env["PYTHONPATH"] = os.pathsep.join([str(site), REPO, env.get("PYTHONPATH", "")])
+  cmd = _cmd(run, "--config.num_iterations=2")
+  out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  err = out.stderr
+  assert out.returncode == 3, err[-3000:]
+  assert err.count(f"{run}/log.txt: cannot write (OSError: [Errno 28] No space left on device: "
+                   f"'{run}/log.txt'); this run's log is on stderr only") == 1, err[-3000:]
+  assert err.splitlines()[-1].endswith(
+      f"writing {run}/result.json failed: OSError: [Errno 28] No space left on device; the run "
+      "is finished and nothing of it is lost: checkpoint 2 and the metrics through it are "
+      "intact, and the same command, re-run once the cause is fixed, trains nothing and writes "
+      "result.json and the HF export (where asked) again"), err[-3000:]
+  assert "Traceback" not in err and "log: stderr only" in err, err[-3000:]
+  assert not os.path.exists(os.path.join(run, "result.json"))
+  assert not os.path.exists(os.path.join(run, "log.txt"))
+  again = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "nothing to train" in again.stderr, again.stderr[-3000:]
+  result = json.load(open(os.path.join(run, "result.json")))
+  assert (result["status"], result["iterations"]) == ("done", 2), result
+  assert _steps(run) == [1, 2]
+
+
 def test_a_failed_last_save_is_raised_unless_another_error_is_leaving(tmp_path):
   """The end of run(): a failed final save is the run's error; while another error is already
   on its way out it is logged instead, so that it does not hide that one."""
