@@ -1392,7 +1392,9 @@ class PPOTrainer:
     except BaseException as e:
       if isinstance(e, checkpointing.SaveError):  # a failed save, or write of the metrics
         # A save into a workdir moved away fails with orbax's long NOT_FOUND: say why, first.
-        moved = self._moved("writing its metrics failed" if isinstance(e, hooks.LogWriteError)
+        # (a LogWriteError names its file: a metrics row, config.json, the export, ...)
+        moved = self._moved("writing one of its records failed"
+                            if isinstance(e, hooks.LogWriteError)
                             else "the checkpoint save in progress failed")
         e.args = (f"{moved}. ({e})",) if moved else (f"{e}{self.kept_after_failed_write()}",)
       self.release_lock()
