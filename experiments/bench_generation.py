@@ -183,10 +183,11 @@ def summarize(out: fused_lib.FusedOutput, wall_s: float) -> dict:
           # machine the run kept busy (on fake CPU devices, the one place fusion can win).
           "cpu_s": m["cpu_s"], "cpu_util": m["cpu_s"] / (wall_s * cores),
           "inference_exposed_s": tl.gen_plus_inf_s - tl.gen_end_s,
-          "instance_busy_frac": tl.instance_busy_frac,
-          # Over every process's instances, as the trainer's fusion/inference_overlap_frac
-          # (until 2026-12-07 process 0's alone); each process's (loaded before generation
-          # ended, inference seconds before it ended, all inference seconds) beside it.
+          # Over every process's instances, as the trainer's gen/instance_busy_frac and
+          # fusion/inference_overlap_frac (until 2026-12-07 process 0's alone, as the weight
+          # loads below); each process's (loaded before generation ended, inference seconds
+          # before it ended, all inference seconds) beside it.
+          "instance_busy_frac": m["gen/instance_busy_frac"],
           "inference_overlap_frac": m["fusion/inference_overlap_frac"],
           "inference_overlap_by_process": out.overlap_figures,
           "consolidation_step": m["gen/consolidation_step"],

@@ -248,7 +248,7 @@ def test_bench_generation_summary_derives_exposed_inference_cpu_share_and_same_h
           "gen/migration_cross_host_s", "gen/migration_cross_host_compile_s",
           "fusion/weight_load_s", "fusion/weight_load_bytes", "timing_s/actor_to_instances",
           "gen/decode_rounds", "gen/instance_chunks", "gen/unfinished_curve",
-          "fusion/inference_overlap_frac")
+          "fusion/inference_overlap_frac", "gen/instance_busy_frac")
   metrics = {k: float(i) for i, k in enumerate(keys)}
   metrics.update({"cpu_s": 6.0, "gen/migrated_samples": 10, "gen/migrated_samples_cross_host": 3,
                   "gen/migration_copied_bytes": 1000, "gen/migration_cross_host_bytes": 400})
@@ -267,8 +267,9 @@ def test_bench_generation_summary_derives_exposed_inference_cpu_share_and_same_h
                      ("migrated_kv_bytes", "gen/migrated_kv_bytes"),
                      ("weight_load_s", "fusion/weight_load_s"),
                      ("actor_to_instances_s", "timing_s/actor_to_instances"),
-                     # every process's instances, as the trainer logs it (the timeline's own,
-                     # 0.25 here, is process 0's)
+                     # every process's instances, as the trainer logs them (the timeline's
+                     # own, 0.5 and 0.25 here, are process 0's)
+                     ("instance_busy_frac", "gen/instance_busy_frac"),
                      ("inference_overlap_frac", "fusion/inference_overlap_frac")):
     assert s[field] == metrics[key], field
   assert s["inference_overlap_by_process"] == out.overlap_figures
