@@ -39,6 +39,7 @@ def run_case(g: int = G, seed: int = 0) -> dict:
   from rlhfuse_jax.generation.fused import FusedGenConfig, FusedGenerator
   from rlhfuse_jax.generation.instances import FrozenModels
   from rlhfuse_jax.generation.sampling import SamplingConfig
+  from rlhfuse_jax.generation.timeline import KINDS
   from rlhfuse_jax.models import llama
 
   cfg = llama.ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=1,
@@ -64,17 +65,20 @@ def run_case(g: int = G, seed: int = 0) -> dict:
       out[f"{name}/{f}"] = getattr(res.rollout, f)
     for m in MODELS:
       out[f"{name}/{m}"] = getattr(res, m)
-    keep = {k: v for k, v in res.metrics.items() if not k.startswith(("timing_s/", "fusion/w"))}
+    keep = {k: v for k, v in res.metrics.items() if not k.startswith("timing_s/")}
     keep["consolidations"] = [{k: c[k] for k in ("step", "kept", "released", "moves",
                                                    "cross_host_moves", "copied_bytes",
                                                    "cross_host_copied_bytes", "cross_host_s")}
                               for c in res.consolidations]
-    # This process's own instances' figures (it watched only those): what the overlap metrics
-    # must combine over the processes.
+    # This process's own instances' figures (it watched only those): what the overlap, weight
+    # load and busy metrics must combine over the processes. [loaded before generation ended,
+    # inference s before it ended, all inference s, load s, busy s, instances x own span]
     tl = res.timeline
-    keep["local_overlap"] = [tl.loaded_before_gen_end] + [
-        sum(tl.busy_s(i, ("inference",), until=until) for i in tl.watched)
-        for until in (tl.gen_end_s, None)]
+    keep["local_figures"] = [tl.loaded_before_gen_end] + [
+        sum(tl.busy_s(i, kinds, until=until) for i in tl.watched)
+        for kinds, until in ((("inference",), tl.gen_end_s), (("inference",), None),
+                             (("load",), None), (KINDS, None))] + [
+        len(tl.watched) * tl.gen_plus_inf_s]
     out[f"{name}/metrics"] = np.asarray(json.dumps(keep))
   # A validation pass's call (trainer/rollout.validation_stage): the reward model alone, the
   # critic's params left out; every process skips the same models.
@@ -102,6 +106,7 @@ def run_case(g: int = G, seed: int = 0) -> dict:
   for m in MODELS:
     out[f"piped/{m}"] = getattr(res, m)
   out["piped/load_bytes"] = np.asarray(res.metrics["fusion/weight_load_bytes"])
+  out["piped/own_load_bytes"] = np.asarray(res.by_process[jax.process_index()][4])
   return out
 
 

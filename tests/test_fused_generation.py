@@ -14,7 +14,7 @@ import pytest
 from rlhfuse_jax.generation import fused, instances, measure
 from rlhfuse_jax.generation.fused import FusedGenConfig, FusedGenerator
 from rlhfuse_jax.generation.instances import FrozenModels
-from rlhfuse_jax.generation.timeline import Timeline, combined_overlap
+from rlhfuse_jax.generation.timeline import Timeline, combined_figures
 from rlhfuse_jax.generation.sampling import SamplingConfig
 from rlhfuse_jax.inference.scoring import Scorer, ScoringBatch
 from rlhfuse_jax.models import llama
@@ -472,20 +472,25 @@ def test_instances_loaded_before_generation_ended_count_only_loads_that_ended_in
   assert dataclasses.replace(tl, gen_end_s=1.2).loaded_before_gen_end == 2
 
 
-def test_loaded_count_and_overlap_cover_every_processs_instances():
-  """Several processes: each watches its own instances, while fusion/freed_before_gen_end counts
-  every process's (the shared inference queue). With process 0's figures alone the metrics
-  said "overlap 0%, 2 freed, none loaded" of a batch where process 1's freed instance had
-  loaded and scored during the tail; the overlap sums the seconds of all processes."""
+def test_overlap_loads_and_busy_time_cover_every_processs_instances():
+  """Several processes: each watches and loads its own instances only, while
+  fusion/freed_before_gen_end counts every process's (the shared inference queue). With process
+  0's figures alone the metrics said "overlap 0%, 2 freed, none loaded" of a batch where process
+  1's freed instance had loaded and scored during the tail, and logged process 0's weight loads
+  and busy fraction: half the bytes of 2 processes. The loads' seconds and bytes are summed,
+  the busy fraction is the busy instance-seconds over every instance's (its process's span)."""
   from rlhfuse_jax.generation import multihost
   # Process 0 (instances 0, 1): 1 loads after the tail ended. Process 1 (2, 3): 2 loads in
-  # time and scores 0.6 s of its 0.8 s before the end.
+  # time and scores 0.6 s of its 0.8 s before the end; its clock saw a shorter batch.
   p0 = Timeline(num_instances=4, segments=[(0, 0.0, 1.0, "decode"), (1, 0.5, 1.1, "load"),
                                            (1, 1.1, 1.5, "inference")],
                 unfinished_curve=[], consolidations=[], gen_end_s=1.0, gen_plus_inf_s=1.5,
                 observed=(0, 1))
   p1 = dataclasses.replace(p0, segments=[(3, 0.0, 1.0, "decode"), (2, 0.2, 0.4, "load"),
-                                         (2, 0.4, 1.2, "inference")], observed=(2, 3))
+                                         (2, 0.4, 1.2, "inference")], observed=(2, 3),
+                           gen_plus_inf_s=1.25)
+  # Byte counts float32 would round (and int32 overflow).
+  loaded_bytes = {0: 3_000_000_001, 1: 2_000_000_003}
   assert (p0.loaded_before_gen_end, p0.inference_overlap_frac) == (0, 0.0)
   sent = []
   for me, mine, other in ((0, p0, p1), (1, p1, p0)):
@@ -494,16 +499,26 @@ def test_loaded_count_and_overlap_cover_every_processs_instances():
 
     def gather(x, me=me, other=other):
       sent.append(x.dtype)
-      theirs = np.asarray(other.overlap_figures, np.float32)
+      row = np.float64(other.process_figures(loaded_bytes[1 - me]))
+      theirs = np.frombuffer(row.tobytes(), np.int32)
       return np.stack([x, theirs] if me == 0 else [theirs, x])
     ex._host_allgather = gather
-    loaded, overlap = combined_overlap(fused.overlap_figures_over_processes(mine, ex))
-    assert loaded == 1 and overlap == pytest.approx(0.6 / 1.2), me
-  assert sent == [np.float32, np.float32]  # (Exchange.allgather refuses 64-bit data)
-  # One process: its own figures, unrounded, and no exchange.
+    rows = fused.figures_over_processes(mine, loaded_bytes[me], ex)
+    got = combined_figures(rows)
+    assert got["fusion/loaded_before_gen_end"] == 1, me
+    assert got["fusion/inference_overlap_frac"] == pytest.approx(0.6 / 1.2), me
+    assert got["fusion/weight_load_bytes"] == 5_000_000_004, me
+    assert got["fusion/weight_load_s"] == pytest.approx(0.6 + 0.2), me
+    # 4 busy instance-seconds of 2 x 1.5 + 2 x 1.25 (not the processes' mean, 0.733)
+    assert got["gen/instance_busy_frac"] == pytest.approx(4.0 / 5.5), me
+  assert sent == [np.int32, np.int32]  # (Exchange.allgather refuses 64-bit data)
+  # One process: its own figures, bit for bit, and no exchange.
   one = multihost.Exchange(timeout_s=60)
-  assert combined_overlap(fused.overlap_figures_over_processes(p1, one)) == (
-      1, p1.inference_overlap_frac) == (1, 0.75)
+  got = combined_figures(fused.figures_over_processes(p1, 7, one))
+  assert got == {"fusion/loaded_before_gen_end": 1, "fusion/inference_overlap_frac": 0.75,
+                 "fusion/weight_load_s": p1.kind_s("load"), "fusion/weight_load_bytes": 7,
+                 "gen/instance_busy_frac": p1.instance_busy_frac}
+  assert p1.inference_overlap_frac == 0.75 and p1.instance_busy_frac == 2.0 / 2.5
 
 
 def test_migration_time_leaves_out_the_decoding_between_two_consolidations():

@@ -79,9 +79,11 @@ def test_two_processes_match_one_process_with_cross_host_migration(tmp_path):
   whole = sum(x.nbytes for c in (cfg2, cfg2.replace(head="scalar"), cfg2.replace(head="scalar"))
               for x in jax.tree.leaves(llama.host_random_params(c, 0)))
   # each process's 2 instances form one unit: at most one copy of the models between them
-  # (scoring on single instances, each freed instance loads all of them)
+  # (scoring on single instances, each freed instance loads all of them); the metric counts
+  # both processes' loads
   for m in multi:
-    assert 0 < m["piped/load_bytes"] <= whole
+    assert 0 < m["piped/own_load_bytes"] <= whole
+    assert m["piped/load_bytes"] == sum(n["piped/own_load_bytes"] for n in multi)
   for name, _, _ in worker.RUNS:
     one = json.loads(str(single[f"{name}/metrics"]))
     both = [json.loads(str(m[f"{name}/metrics"])) for m in multi]
@@ -98,14 +100,21 @@ def test_two_processes_match_one_process_with_cross_host_migration(tmp_path):
     # The overlap metrics cover every process's instances, as freed_before_gen_end (set by the
     # tokens) does: each process watched only its own, and process 0's figures alone said
     # "none loaded" where the other's instances had loaded and scored during the tail.
-    local = [m["local_overlap"] for m in both]  # [process][loaded, before_s, total_s]
-    before, total = (sum(f[k] for f in local) for k in (1, 2))
+    # [process][loaded, before_s, total_s, load_s, busy_s, instance_s]
+    local = [m["local_figures"] for m in both]
+    before, total, load_s, busy_s, instance_s = (sum(f[k] for f in local) for k in range(1, 6))
     for m in both:
       assert m["fusion/freed_before_gen_end"] == one["fusion/freed_before_gen_end"], name
       assert m["fusion/loaded_before_gen_end"] == sum(f[0] for f in local), (name, local)
       assert m["fusion/loaded_before_gen_end"] <= m["fusion/freed_before_gen_end"], name
       assert m["fusion/inference_overlap_frac"] == pytest.approx(
-          before / total if total else 0.0, rel=1e-5), (name, local)
+          before / total if total else 0.0, rel=1e-12), (name, local)
+      # So do the weight loads and busy time (process 0's alone logged about half the bytes):
+      # which instance loads is decided by the tokens, so the bytes are one process's.
+      assert m["fusion/weight_load_bytes"] == one["fusion/weight_load_bytes"] > 0, name
+      assert m["fusion/weight_load_s"] == pytest.approx(load_s, rel=1e-12), (name, local)
+      assert m["gen/instance_busy_frac"] == pytest.approx(busy_s / instance_s, rel=1e-12), (
+          name, local)
     assert one["gen/migrated_samples_cross_host"] == 0  # one process: nothing crosses
     assert both[0]["gen/migrated_samples_cross_host"] == both[1][
         "gen/migrated_samples_cross_host"]

@@ -314,7 +314,7 @@ def test_fused_async_two_processes_match_one_process(tmp_path):
               "fusion/freed_before_gen_end", "async/policy_version"):
       assert a[k] == b[k], k
     # (of every process's instances, as the freed ones:
-    # generation/fused.overlap_figures_over_processes)
+    # generation/fused.figures_over_processes)
     assert a["fusion/loaded_before_gen_end"] <= a["fusion/freed_before_gen_end"]
     assert b["gen/migrated_samples_cross_host"] == 0
     for k in ("reward/mean", "kl/ref_mean", "actor/pg_loss", "critic/vf_loss",

@@ -69,7 +69,7 @@ from rlhfuse_jax.generation import multihost
 from rlhfuse_jax.generation import sampling as sampling_lib
 from rlhfuse_jax.generation.instances import FrozenModels, GenerationInstance
 from rlhfuse_jax.generation.sampling import SamplingConfig
-from rlhfuse_jax.generation.timeline import ActivityLog, Timeline, combined_overlap
+from rlhfuse_jax.generation.timeline import ActivityLog, Timeline, combined_figures
 from rlhfuse_jax.inference import stages as inf_stages
 from rlhfuse_jax.models.llama import ModelConfig
 from rlhfuse_jax.parallel import mesh as mesh_lib
@@ -223,10 +223,16 @@ class FusedOutput:
   rt_choice: Optional[rt_choice.RtChoice]  # how "auto" chose it
   no_migration: list  # why a due consolidation moved nothing (distinct reasons, in order)
   metrics: dict  # gen/*, fusion/*, timing_s/* of docs/architecture.md §2 (_Run._execute)
-  # [P, 3] each process's Timeline.overlap_figures, that fusion/inference_overlap_frac and
-  # fusion/loaded_before_gen_end combine (overlap_figures_over_processes); [] without
-  # inference models
-  overlap_figures: list = dataclasses.field(default_factory=list)
+  # [P, 7] each process's Timeline.process_figures, which the overlap, weight-load and busy
+  # metrics combine (figures_over_processes)
+  by_process: list = dataclasses.field(default_factory=list)
+
+  @property
+  def overlap_figures(self) -> list:
+    """[P, 3] each process's Timeline.overlap_figures; [] without inference models."""
+    if "fusion/loaded_before_gen_end" not in self.metrics:
+      return []
+    return [row[:3] for row in self.by_process]
 
 
 def check_layout(config: FusedGenConfig, batch_size: int, num_devices: int) -> None:
@@ -1205,6 +1211,8 @@ class _Run:
                   unfinished_curve=curve, consolidations=self.consolidations,
                   gen_end_s=gen_end, gen_plus_inf_s=gen_plus_inf, tagged=dict(self.log.tagged))
     cons = self.consolidations
+    rows = figures_over_processes(tl, load_bytes, gen.exchange)
+    every = combined_figures(rows)  # of every process's instances
     metrics = {
         "gen/unfinished_curve": [[round(float(x), 5), int(u)] for x, u in curve],
         "gen/consolidation_step": cons[0]["step"] if cons else -1,
@@ -1226,10 +1234,10 @@ class _Run:
         "gen/migration_cross_host_s": float(sum(c["cross_host_s"] for c in cons)),
         # First use of a (source, target, rows) transfer program: its compile, not counted above.
         "gen/migration_cross_host_compile_s": float(sum(c["cross_host_compile_s"] for c in cons)),
-        "gen/instance_busy_frac": tl.instance_busy_frac,
-        "fusion/inference_overlap_frac": tl.inference_overlap_frac,
-        "fusion/weight_load_s": tl.kind_s("load"),
-        "fusion/weight_load_bytes": load_bytes,
+        "gen/instance_busy_frac": every["gen/instance_busy_frac"],
+        "fusion/inference_overlap_frac": every["fusion/inference_overlap_frac"],
+        "fusion/weight_load_s": every["fusion/weight_load_s"],
+        "fusion/weight_load_bytes": every["fusion/weight_load_bytes"],
         "fusion/rt": float(self.rt),
         "gen/decode_rounds": rounds,
         # Summed over instances: each chunk runs all S slots, live or not, so this counts the
@@ -1243,7 +1251,6 @@ class _Run:
         "timing_s/gen_plus_inf": gen_plus_inf,
         "timing_s/actor_to_instances": place_s,
     }
-    figures = []
     if self.models:
       # Why an overlap is 0: instances freed for inference before generation ended (released
       # by the consolidation or done with their samples; set by the tokens, not by timing),
@@ -1251,30 +1258,28 @@ class _Run:
       # the overlap, over every process's instances. Not for a batch without inference
       # models: it frees none by design, and the progress line said "no instance freed" of one
       # whose consolidation had released two.
-      figures = overlap_figures_over_processes(tl, gen.exchange)
-      loaded, overlap = combined_overlap(figures)
-      metrics["fusion/inference_overlap_frac"] = overlap
       metrics["fusion/freed_before_gen_end"] = self.freed_before_end
-      metrics["fusion/loaded_before_gen_end"] = loaded
+      metrics["fusion/loaded_before_gen_end"] = every["fusion/loaded_before_gen_end"]
     return FusedOutput(rollout=rollout, ref_logp=out.get("reference"), values=out.get("critic"),
                        rewards=out.get("reward"), timeline=tl, consolidations=cons, rt=self.rt,
                        rt_choice=None, no_migration=list(self.reasons), metrics=metrics,
-                       overlap_figures=[[float(x) for x in f] for f in figures])
+                       by_process=[[float(x) for x in row] for row in rows])
 
 
-def overlap_figures_over_processes(tl: Timeline, exchange: multihost.Exchange):
-  """[P, 3]: every process's `Timeline.overlap_figures`, which timeline.combined_overlap turns
-  into (instances loaded before generation ended, inference overlap) over every process's
-  instances. Each process watches only its own (`tl.observed`); `freed_before_gen_end` counts
-  all of them (the shared inference queue), so with process 0's figures alone a "5 freed, none
-  loaded" was false of the other processes' instances. With several processes one small
-  all-gather (float32 seconds: ample for a ratio), called by every process at the same point of
-  `run`, under the exchanges' peer-loss guard like every other."""
-  figures = [tl.overlap_figures]
-  if exchange.multi:
-    figures = exchange.allgather(np.asarray(figures[0], np.float32),
-                                 "the instances' inference overlap")  # [P, 3]
-  return figures
+def figures_over_processes(tl: Timeline, load_bytes: int, exchange: multihost.Exchange):
+  """[P, 7]: every process's `Timeline.process_figures`, which timeline.combined_figures turns
+  into the overlap, weight-load and busy metrics of every process's instances. Each process
+  watches and loads only its own (`tl.observed`), while `freed_before_gen_end` counts all of
+  them (the shared inference queue): with process 0's figures alone a "5 freed, none loaded"
+  was false of the other processes' instances, and the weight loads were process 0's alone.
+  With several processes one small all-gather of float64 words (a byte count is exact),
+  called by every process at the same point of `run`, under the exchanges' peer-loss guard
+  like every other; one process keeps its own row as it is (no exchange, no rounding)."""
+  row = tl.process_figures(load_bytes)
+  if not exchange.multi:
+    return [row]
+  return exchange.allgather_float64(np.asarray(row, np.float64),
+                                    "the instances' overlap, weight loads and busy time")
 
 
 def _sequences(prompts, prompt_lens, responses, response_lens, pad_id: int) -> np.ndarray:

@@ -6,7 +6,7 @@ by every process from the same global state, so no process ever waits for a plan
 compute. What makes the state global is `Exchange`: after every decode round the processes
 all-gather their instances' summaries (done, generated, stop: 12 bytes per slot), then the
 tokens and log-probs of the rows that just finished, and at the end the inference results and
-each process's inference-overlap figures (fused.overlap_figures_over_processes).
+each process's figures of its own instances (fused.figures_over_processes).
 
 Where the exchanges run (`exchange_on`): jax's process_allgather runs a program on every device
 of every process, and an accelerator runs its programs in launch order, so each exchange would
@@ -248,7 +248,7 @@ class Exchange:
     x = np.asarray(x)
     if x.dtype.itemsize > 4:
       raise ValueError(f"Exchange.allgather of {what}: dtype {x.dtype} would be narrowed to 32 "
-                       "bits; send it as 32-bit words (as broadcast_float does)")
+                       "bits; send it as 32-bit words (as allgather_float64 does)")
     if self.count == 1:
       return x[None]
     with self.guard(what):
@@ -262,9 +262,15 @@ class Exchange:
     through jax would round to float32, and processes must compare against the same Rt)."""
     if self.count == 1:
       return float(x)
-    words = np.frombuffer(np.float64(x).tobytes(), np.int32)
-    got = np.ascontiguousarray(self.allgather(words, "process 0's Rt")[0], np.int32)
-    return float(np.frombuffer(got.tobytes(), np.float64)[0])
+    return float(self.allgather_float64(np.float64([x]), "process 0's Rt")[0, 0])
+
+  def allgather_float64(self, x: np.ndarray, what: str = "host data") -> np.ndarray:
+    """[P, n]: every process's float64 vector `x` [n], bit for bit (sent as 32-bit words of its
+    bytes: through float32 a byte count above 2**24 would round)."""
+    x = np.ascontiguousarray(x, np.float64).reshape(-1)  # [n]
+    words = np.frombuffer(x.tobytes(), np.int32)  # [2n]
+    got = np.ascontiguousarray(self.allgather(words, what), np.int32)  # [P, 2n]
+    return np.frombuffer(got.tobytes(), np.float64).reshape(got.shape[0], x.size)
 
   def by_owner(self, local: np.ndarray, owner: np.ndarray, what: str = "host data"
                ) -> np.ndarray:

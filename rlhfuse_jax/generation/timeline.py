@@ -129,6 +129,31 @@ def combined_overlap(figures) -> tuple:
   return loaded, (before / total if total > 0 else 0.0)
 
 
+def combined_figures(rows) -> dict:
+  """The per-instance metrics of docs/architecture.md §2 over the instances of every row of
+  `rows` [P, 7]: one `Timeline.process_figures` per process, each of the instances it watched
+  (process 0's alone left out the others' loads: 256784 of 385176 bytes in a batch of
+  tests/test_fused_multiprocess.py). One row gives that Timeline's own values bit for bit: a
+  single process logs what it did before."""
+  loaded, overlap = combined_overlap([r[:3] for r in rows])
+  busy = sum(float(r[5]) for r in rows)
+  instance_s = sum(float(r[6]) for r in rows)
+  return {
+      "fusion/loaded_before_gen_end": loaded,
+      "fusion/inference_overlap_frac": overlap,
+      # Summed, not the slowest process's: the loads' seconds are already summed over the
+      # instances (device-seconds, not a wall time), and another process's instances are more
+      # instances, as in one process of 8 devices.
+      "fusion/weight_load_s": sum(float(r[3]) for r in rows),
+      "fusion/weight_load_bytes": sum(int(r[4]) for r in rows),
+      # Busy instance-seconds over all instances' seconds, each process's instances over its
+      # own gen_plus_inf_s (its own clock from its own start: 1.95 s and 1.59 s in a batch of
+      # tests/test_fused_multiprocess.py): the mean of every instance's busy fraction weighted
+      # by its span, as one process holding all of them computes it; not a mean of the
+      # processes' fractions, which weighs an instance by 1 / its process's instance count.
+      "gen/instance_busy_frac": busy / instance_s if instance_s > 0 else 0.0}
+
+
 @dataclasses.dataclass
 class Timeline:
   """One generation+inference run as measured (times in seconds from its start)."""
@@ -209,6 +234,14 @@ class Timeline:
     before = sum(self.busy_s(i, ("inference",), until=self.gen_end_s) for i in self.watched)
     total = sum(self.busy_s(i, ("inference",)) for i in self.watched)
     return (self.loaded_before_gen_end, before, total)
+
+  def process_figures(self, load_bytes: int) -> tuple:
+    """This process's row of the batch-end exchange, of the instances it watched: what
+    `combined_figures` combines over processes. `overlap_figures`, then the weight loads'
+    seconds, the bytes they loaded (`load_bytes`: the loader's count, which the segments do not
+    keep), busy seconds and instance-seconds (watched instances x gen_plus_inf_s)."""
+    return (*self.overlap_figures, self.kind_s("load"), load_bytes,
+            sum(self.busy_s(i) for i in self.watched), len(self.watched) * self.gen_plus_inf_s)
 
   def span_s(self, kind: str) -> float:
     """From the first start to the last end of the segments of one kind (0 if none)."""
