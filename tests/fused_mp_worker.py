@@ -79,6 +79,7 @@ def run_case(g: int = G, seed: int = 0) -> dict:
         for kinds, until in ((("inference",), tl.gen_end_s), (("inference",), None),
                              (("load",), None), (KINDS, None))] + [
         len(tl.watched) * tl.gen_plus_inf_s]
+    keep["own_load_bytes"] = int(res.by_process[jax.process_index()][4])  # its loader's count
     out[f"{name}/metrics"] = np.asarray(json.dumps(keep))
   # A validation pass's call (trainer/rollout.validation_stage): the reward model alone, the
   # critic's params left out; every process skips the same models.

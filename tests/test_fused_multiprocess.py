@@ -109,9 +109,10 @@ def test_two_processes_match_one_process_with_cross_host_migration(tmp_path):
       assert m["fusion/loaded_before_gen_end"] <= m["fusion/freed_before_gen_end"], name
       assert m["fusion/inference_overlap_frac"] == pytest.approx(
           before / total if total else 0.0, rel=1e-12), (name, local)
-      # So do the weight loads and busy time (process 0's alone logged about half the bytes):
-      # which instance loads is decided by the tokens, so the bytes are one process's.
-      assert m["fusion/weight_load_bytes"] == one["fusion/weight_load_bytes"] > 0, name
+      # So do the weight loads and busy time (process 0's alone logged about half the bytes).
+      # (Not the one-process run's bytes: one process frees instances for the samples still
+      # waiting at the end, which depends on how fast the loads went: InferenceQueue.stream.)
+      assert m["fusion/weight_load_bytes"] == sum(n["own_load_bytes"] for n in both) > 0, name
       assert m["fusion/weight_load_s"] == pytest.approx(load_s, rel=1e-12), (name, local)
       assert m["gen/instance_busy_frac"] == pytest.approx(busy_s / instance_s, rel=1e-12), (
           name, local)
