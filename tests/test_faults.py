@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -1464,6 +1465,49 @@ def test_a_full_disk_at_log_txt_and_result_json_ends_the_binary_in_one_line(tmp_
   result = json.load(open(os.path.join(run, "result.json")))
   assert (result["status"], result["iterations"]) == ("done", 2), result
   assert _steps(run) == [1, 2]
+
+
+def test_a_schedule_cache_that_cannot_be_written_is_said_and_the_run_goes_on(
+    tmp_path, monkeypatch, caplog):
+  """The fused schedule's cache file on a full disk ended the set-up with an OSError (train_ppo:
+  exit 1) before config.json: a cache only spares the next start a search. Now one warning
+  names the file and the run takes the schedule it searched; the next start searches again
+  and caches it. A truncated cache file is searched again too, with a warning."""
+  from rlhfuse_jax.pipeline import schedules
+  from rlhfuse_jax.pipeline import search as search_lib
+  from rlhfuse_jax.trainer import pipelined
+  searched = []
+
+  def fake_search(problem, config):  # the serial order stands for a searched one
+    searched.append(config.seed)
+    return types.SimpleNamespace(best=schedules.serial_order(problem), search_s=0.0,
+                                 evaluations=1)
+  monkeypatch.setattr(search_lib, "search", fake_search)
+  monkeypatch.setattr(search_lib, "warmup", lambda: 0.0)
+  cache = str(tmp_path / "cache")
+  pipe = config_lib.PipelineConfig(critic_pp=2, actor_microbatches=2, critic_microbatches=1,
+                                   schedule_cache_dir=cache)
+  problem = pipelined.pipeline_problem(4, pipe)
+  with monkeypatch.context() as m, caplog.at_level("WARNING"):
+    os.makedirs(cache)
+    _full_disk_under(m, cache)
+    found, path = pipelined.searched_schedule(problem, pipe)
+  assert found.problem == problem and os.listdir(cache) == []  # (no temp file left either)
+  said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+  assert said == [f"pipeline: could not cache the searched schedule in {path} (OSError: [Errno "
+                  "28] No space left on device); the run goes on, and its next start searches "
+                  "again"], said
+  assert pipelined.searched_schedule(problem, pipe)[0].order().tolist() == (
+      found.order().tolist())
+  assert len(searched) == 2 and os.path.isfile(path)
+  whole = open(path, "rb").read()
+  with open(path, "wb") as f:  # a file cut short (a crash of a copy, a full disk elsewhere)
+    f.write(whole[:len(whole) // 2])
+  caplog.clear()
+  with caplog.at_level("WARNING"):
+    assert pipelined.searched_schedule(problem, pipe)[0].problem == problem
+  assert f"pipeline: ignoring the cached schedule {path} (" in caplog.text, caplog.text
+  assert len(searched) == 3 and open(path, "rb").read() == whole
 
 
 def test_a_failed_last_save_is_raised_unless_another_error_is_leaving(tmp_path):

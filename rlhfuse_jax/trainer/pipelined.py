@@ -281,10 +281,18 @@ def searched_schedule(problem: PipelineProblem, pipeline: PipelineConfig, workdi
                search.warmup())
   result = search.search(problem, config)
   found = schedule_lib.from_order(problem, result.best)
-  wd.write_json(path, {"key": key, "schedule": found.to_dict(), "search_s": result.search_s,
-                       "evaluations": result.evaluations})
-  logging.info("pipeline: searched a fused schedule in %.1fs (%d evaluations), makespan %g "
-               "ticks; cached at %s", result.search_s, result.evaluations, found.makespan, path)
+  try:
+    wd.write_json(path, {"key": key, "schedule": found.to_dict(),
+                         "search_s": result.search_s, "evaluations": result.evaluations})
+  except OSError as e:  # (a full disk stopped the set-up: a cache only spares a search)
+    cause = f"[Errno {e.errno}] {e.strerror}" if e.errno and e.strerror else str(e)
+    logging.warning("pipeline: could not cache the searched schedule in %s (%s: %s); the run "
+                    "goes on, and its next start searches again", path, type(e).__name__,
+                    cause)
+  else:
+    logging.info("pipeline: searched a fused schedule in %.1fs (%d evaluations), makespan %g "
+                 "ticks; cached at %s", result.search_s, result.evaluations, found.makespan,
+                 path)
   return found, path
 
 
@@ -437,8 +445,9 @@ def fused_order(problem: PipelineProblem, pipeline: PipelineConfig, workdir: str
   """The fused schedule's per-device order (pipeline.schedule_file's, else searched), the same
   on every process: process 0 searches (on its own clock) or loads, and alone writes the cache,
   so the cached schedule is the one every process runs and a resume runs it again; the others
-  take it by broadcast. A failure there (the cache unwritable) stops every process, not process
-  0 alone while the others wait for it in the update's first collective."""
+  take it by broadcast. A failure there (a schedule_file that does not fit; a cache file that
+  cannot be written only warns) stops every process, not process 0 alone while the others wait
+  for it in the update's first collective."""
   from rlhfuse_jax.pipeline import schedules
   if jax.process_count() == 1:
     return _fused_order_here(problem, pipeline, workdir)
