@@ -32,7 +32,7 @@ from rlhfuse_jax.trainer import build, hooks, loop
 from rlhfuse_jax.trainer import config as config_lib
 from rlhfuse_jax.trainer.loop import PPOTrainer
 from tests.test_train_ppo_binary import COMPILE_LOG, METRIC_NAMES, REPO, _cmd, _env, _steps
-from tests.test_trainer import _deterministic, _params, tiny_config
+from tests.test_trainer import _deterministic, _params, tiny_config, tiny_config_dict
 from tests.test_workdir import _hold_as
 from tests.xla_env import subprocess_env
 
@@ -1465,6 +1465,45 @@ def test_a_full_disk_at_log_txt_and_result_json_ends_the_binary_in_one_line(tmp_
   result = json.load(open(os.path.join(run, "result.json")))
   assert (result["status"], result["iterations"]) == ("done", 2), result
   assert _steps(run) == [1, 2]
+
+
+@pytest.fixture(scope="module")
+def finished_2(tmp_path_factory):
+  """(config, workdir) of a finished tiny run of 2 iterations (checkpoint 2) with the config.json
+  train_ppo records: the full-disk cases after a run's end copy it."""
+  c = tiny_config_dict()
+  c.num_iterations = 2
+  cfg = config_lib.TrainConfig.from_config_dict(c)
+  run = str(tmp_path_factory.mktemp("finished_2") / "run")
+  PPOTrainer(cfg, run).run(config_record=config_lib.config_record(c, cfg))
+  return cfg, run
+
+
+def test_a_full_disk_at_a_finished_run_s_re_run_stops_it_as_a_failed_save_does(
+    tmp_path, finished_2, monkeypatch):
+  """A finished run re-run drops the metrics rows after its last checkpoint (an extension that
+  died before its next save): on a full disk that rewrite of metrics.jsonl ended it with the
+  bare OSError (train_ppo: exit 1, a traceback), where every other write of its records exits
+  3. Now a SaveError naming the file and saying that nothing is lost; once space is freed the
+  same command drops the row, training nothing."""
+  cfg, workdir = finished_2
+  run = str(tmp_path / "run")
+  shutil.copytree(workdir, run)
+  path = os.path.join(run, "metrics.jsonl")
+  wd.append_jsonl(path, {"step": 3})
+  with monkeypatch.context() as m:
+    _full_disk_under(m, run, "metrics.jsonl")
+    with pytest.raises(checkpointing.SaveError) as e:
+      PPOTrainer(cfg, run).run()
+  assert str(e.value) == (
+      f"writing {path} failed: OSError: [Errno 28] No space left on device; the run is "
+      "finished and nothing of it is lost: checkpoint 2 and the metrics through it are intact, "
+      "and the same command, re-run once the cause is fixed, trains nothing and writes "
+      "result.json and the HF export (where asked) again")
+  assert [r["step"] for r in wd.read_jsonl(path)] == [1, 2, 3]
+  assert not [n for n in os.listdir(run) if n.startswith(wd.TMP_PREFIX)]
+  assert PPOTrainer(cfg, run).run() == []
+  assert [r["step"] for r in wd.read_jsonl(path)] == [1, 2]
 
 
 def test_a_schedule_cache_that_cannot_be_written_is_said_and_the_run_goes_on(

@@ -25,6 +25,11 @@ from rlhfuse_jax.trainer.loop import PPOTrainer, TIMING_PREFIXES, _zero1_label
 
 def tiny_config(**overrides):
   """ppo_tiny shrunk further so that a test iteration compiles and runs in seconds."""
+  return with_overrides(tiny_config_dict(), **overrides)
+
+
+def tiny_config_dict():
+  """tiny_config's ConfigDict (what train_ppo records in config.json: config_lib.config_record)."""
   c = ppo_tiny.get_config()
   c.num_iterations = 4
   c.model.num_layers = 1
@@ -37,7 +42,7 @@ def tiny_config(**overrides):
   c.algo.minibatch_size = 8
   c.data.num_prompts = 64
   c.checkpoint.every = 2
-  return with_overrides(c, **overrides)
+  return c
 
 
 def with_overrides(c, **overrides) -> TrainConfig:

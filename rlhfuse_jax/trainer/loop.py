@@ -1373,10 +1373,14 @@ class PPOTrainer:
         later = main and any(  # (a step that is no number: truncate_after names its row)
             isinstance(r.get("step"), (int, float)) and r["step"] > start
             for r in wd.read_jsonl(os.path.join(self.workdir, "metrics.jsonl")))
-        writer = metrics_lib.MetricWriter(self.workdir, tensorboard=later, enabled=main,
-                                          purge_step=start + 1)
-        hooks.warn_missing_rows(writer.path, writer.truncate_after(start), start)
-        writer.close()
+        # (a full disk: exit 3 naming the file, as at MetricsLog.begin; TensorBoard's names none)
+        with hooks.writing(os.path.join(self.workdir, "tb")):
+          writer = metrics_lib.MetricWriter(self.workdir, tensorboard=later, enabled=main,
+                                            purge_step=start + 1)
+          try:
+            hooks.warn_missing_rows(writer.path, writer.truncate_after(start), start)
+          finally:
+            writer.close()
         hooks.SamplesLog(self.workdir, lambda: None).begin(start)  # its rows after `start`
         if self.export_only:
           hf_export.HFExport(self.workdir, self.cfg, lambda: self.model_params("actor"),
