@@ -29,7 +29,9 @@ but transformers ignores (its values are the critic's minus that bias: a warning
 the JSON line's value_bias gives it). An export of the other model at --out is refused, not
 replaced.
 
-A run still training in the workdir holds its lock: the export is refused.
+A run still training in the workdir holds its lock: the export is refused. A write that fails
+(a full disk) exits 3, as train_ppo's failed save or export does, in one line naming the export;
+nothing of it is left and the run is untouched.
 Single-process (no --distributed).
 
 Docs: docs/usage.md ("Real checkpoints and tokenizers"), docs/own_model.md.
@@ -45,6 +47,7 @@ from absl import flags, logging
 from experiments import config_files
 from rlhfuse_jax.trainer import export as export_lib
 from rlhfuse_jax.trainer import hf_export
+from rlhfuse_jax.trainer import hooks
 from rlhfuse_jax.trainer.config import EXPORT_HF_CHOICES
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The train_ppo run's workdir.", required=True)
@@ -63,12 +66,22 @@ _MODEL = flags.DEFINE_enum("model", "actor", list(hf_export.MODELS),
                            "one: algo.estimator='gae'), as a *ForSequenceClassification.")
 
 
+# A write of the export failed (hooks.LogWriteError: a full disk): train_ppo's status for its
+# failed saves and exports (EXIT_SAVE_FAILED), one for schedulers.
+EXIT_WRITE_FAILED = 3
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   workdir = os.path.normpath(_WORKDIR.value)
-  result = export_lib.export(workdir, _STEP.value, _OUT.value, _FAMILY.value,
-                             model=_MODEL.value)
+  try:
+    result = export_lib.export(workdir, _STEP.value, _OUT.value, _FAMILY.value,
+                               model=_MODEL.value)
+  except hooks.LogWriteError as e:  # one line, not OSError's (exit 1, naming no file)
+    logging.error("%s; the run in %s is as it was: once the cause is fixed, the same command "
+                  "writes the export again", e, workdir)
+    sys.exit(EXIT_WRITE_FAILED)
   logging.info("exported the %s of %s as a HF %s checkpoint: %s (the run's config: %s)",
                result["model"], result["chosen"], result["family"], result["out"],
                result["config"])

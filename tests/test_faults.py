@@ -1549,6 +1549,47 @@ def test_a_schedule_cache_that_cannot_be_written_is_said_and_the_run_goes_on(
   assert len(searched) == 3 and open(path, "rb").read() == whole
 
 
+# A sitecustomize for export_hf below: the writes into the export's working directory fail.
+_FULL_AT_EXPORT = """import errno, os
+_W = {writing!r}
+def _fsync(fd, _real=os.fsync):
+  if os.path.dirname(os.readlink(f"/proc/self/fd/{{fd}}")) == _W:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+  _real(fd)
+os.fsync = _fsync
+"""
+
+
+def test_a_full_disk_at_export_hf_ends_it_in_one_line_and_leaves_no_export(
+    tmp_path, finished_2):
+  """experiments/export_hf.py on a full disk ended with exit 1 and left its half-written export
+  beside the target: now exit 3 (train_ppo's status for a failed write) in one line naming the
+  export and saying that the run is untouched, and nothing of the export is left; the same
+  export, once space is freed, writes it whole."""
+  from rlhfuse_jax.trainer import export as export_lib
+  from rlhfuse_jax.trainer import hf_export
+  cfg, workdir = finished_2
+  run, site = str(tmp_path / "run"), tmp_path / "site"
+  shutil.copytree(workdir, run)
+  out = export_lib.default_out(run, 2)
+  site.mkdir()
+  (site / "sitecustomize.py").write_text(
+      _FULL_AT_EXPORT.format(writing=hf_export.export_work_dirs(out)[0]))
+  env = _env()
+  env["PYTHONPATH"] = os.pathsep.join([str(site), REPO, env.get("PYTHONPATH", "")])
+  proc = subprocess.run([sys.executable, "-m", "experiments.export_hf", f"--workdir={run}"],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  err = proc.stderr
+  assert proc.returncode == 3, err[-3000:]
+  assert err.splitlines()[-1].endswith(
+      f"writing {out} failed: OSError: [Errno 28] No space left on device; the run in {run} "
+      "is as it was: once the cause is fixed, the same command writes the export again"), (
+      err[-3000:])
+  assert "Traceback" not in err, err[-3000:]
+  assert sorted(n for n in os.listdir(run) if "hf_export" in n) == []
+  assert export_lib.export(run)["out"] == out and hf_export.exported_step(out) == 2
+
+
 def test_a_failed_last_save_is_raised_unless_another_error_is_leaving(tmp_path):
   """The end of run(): a failed final save is the run's error; while another error is already
   on its way out it is logged instead, so that it does not hide that one."""

@@ -322,6 +322,27 @@ def export_hf(params: Any, cfg: TrainConfig, out_dir: str, step: Optional[int] =
     return family
   tmp, old = export_work_dirs(out_dir)
   shutil.rmtree(tmp, ignore_errors=True)
+  try:
+    _write_export(params, cfg, tmp, step, tokenizer, run, model, family)
+  except BaseException:  # (a full disk: its space back, no half an export left beside out_dir)
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  # The earlier export is moved aside first and deleted last, so a crash leaves one whole
+  # export: the old one under out_dir or beside it in `old`, or the new one under out_dir or
+  # still in `tmp` (which the next export deletes first: the checkpoint exports it again, and
+  # export_pending sees out_dir's marker missing or older).
+  shutil.rmtree(old, ignore_errors=True)
+  if os.path.exists(out_dir):
+    os.replace(out_dir, old)
+  os.replace(tmp, out_dir)
+  shutil.rmtree(old, ignore_errors=True)
+  return _resolved_family(cfg, model)
+
+
+def _write_export(params: Any, cfg: TrainConfig, tmp: str, step: Optional[int],
+                  tokenizer: Optional[Tokenizer], run: str, model: str,
+                  family: Optional[str]) -> None:
+  """export_hf's files, written into its working directory `tmp`."""
   hf_loader.save_hf_checkpoint(params, model_config(cfg, model), tmp, family=family)
   marker = {"step": step, "family": _resolved_family(cfg, model),
             "run": os.path.realpath(run) if run else None, "model": model}
@@ -347,16 +368,6 @@ def export_hf(params: Any, cfg: TrainConfig, out_dir: str, step: Optional[int] =
   # them, and generate() ran past the run's EOS)
   _fill_special_ids(tokenizer, os.path.join(tmp, "config.json"))
   _write_generation_eos(tokenizer, tmp)
-  # The earlier export is moved aside first and deleted last, so a crash leaves one whole
-  # export: the old one under out_dir or beside it in `old`, or the new one under out_dir or
-  # still in `tmp` (which the next export deletes first: the checkpoint exports it again, and
-  # export_pending sees out_dir's marker missing or older).
-  shutil.rmtree(old, ignore_errors=True)
-  if os.path.exists(out_dir):
-    os.replace(out_dir, old)
-  os.replace(tmp, out_dir)
-  shutil.rmtree(old, ignore_errors=True)
-  return _resolved_family(cfg, model)
 
 
 class HFExport(Hook):

@@ -864,8 +864,9 @@ class PPOTrainer:
     step = self._export_step
     state, _ = self.checkpoints.read_exactly(step, self._state(), self._layout())
     params = self.update.whole(model, state[model])
-    family = hf_export.export_hf(params, cfg, out_dir, step, self.tokenizer, self.workdir,
-                                 model=model)
+    with hooks.writing(out_dir):  # a full disk: LogWriteError (export_hf: exit 3) naming it
+      family = hf_export.export_hf(params, cfg, out_dir, step, self.tokenizer, self.workdir,
+                                   model=model)
     logging.info("exported the %s of iteration %d as a HF %s checkpoint: %s", model, step,
                  family, out_dir)
     return family
