@@ -1549,6 +1549,30 @@ def test_a_schedule_cache_that_cannot_be_written_is_said_and_the_run_goes_on(
   assert len(searched) == 3 and open(path, "rb").read() == whole
 
 
+def test_plan_search_s_lengths_files_on_a_full_disk_are_named_and_not_left_cut(tmp_path,
+                                                                                monkeypatch):
+  """plan_search's lengths/ files (sim_plan.workload; the simulator reads them: no cache to
+  skip) on a full disk: the error named no file ("OSError: [Errno 27] File too large" under
+  `ulimit -f`) and left prompt_lengths.txt cut at the limit. Now written whole or not at all,
+  the error naming the file."""
+  from rlhfuse_jax.trainer import sim_plan
+  cfg = tiny_config()
+  task, tok = build.build_task_and_tokenizer(cfg)
+  cfg = build.resolve_config(cfg, tok)
+  lengths = str(tmp_path / "lengths")
+  with monkeypatch.context() as m:
+    os.makedirs(lengths)
+    _full_disk_under(m, lengths, "prompt_lengths.txt")
+    with pytest.raises(OSError) as e:
+      sim_plan.workload(cfg, task, tok, 8, lengths)
+  assert str(e.value) == ("[Errno 28] No space left on device: "
+                          f"'{lengths}/prompt_lengths.txt'")
+  assert os.listdir(lengths) == []
+  wl, _ = sim_plan.workload(cfg, task, tok, 8, lengths)
+  assert sorted(os.listdir(lengths)) == ["prompt_lengths.txt", "response_lengths.txt"]
+  assert len(np.loadtxt(wl.prompt.path)) == cfg.data.num_prompts
+
+
 # A sitecustomize for export_hf below: the writes into the export's working directory fail.
 _FULL_AT_EXPORT = """import errno, os
 _W = {writing!r}

@@ -29,6 +29,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.sim import iteration_sim
 from rlhfuse_jax.sim.lengths import LengthSpec
 from rlhfuse_jax.sim.shapes import from_model_config
@@ -40,9 +41,9 @@ from rlhfuse_jax.trainer.validate import validate
 
 
 def _lengths_file(path: str, lengths: np.ndarray) -> str:
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path, "w") as f:
-    f.write(" ".join(str(int(x)) for x in lengths) + "\n")
+  # Whole or not at all, an error naming the file: a full disk named none and left the file
+  # cut, which the simulator reads.
+  wd.atomic_write_text(path, " ".join(str(int(x)) for x in lengths) + "\n")
   return path
 
 
