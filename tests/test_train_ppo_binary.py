@@ -670,22 +670,24 @@ def straight_on_a_mesh(tmp_path_factory):
     return workdir, [json.loads(line) for line in f if line.strip()]
 
 
-@pytest.mark.parametrize("flags, named", [
-    (["--config.model.remat=full", "--config.critic_model.remat=dots"],
-     "critic_model.remat,model.remat"),
-    (["--config.algo.gradient_sync=once"], "algo.gradient_sync")])
-def test_a_resume_may_change_remat_or_gradient_sync_when_named(tmp_path, straight_on_a_mesh,
-                                                               flags, named):
+# Each memory knob of the update a resume may change when named: its flags, the fields named.
+MEMORY_KNOBS = [(["--config.model.remat=full", "--config.critic_model.remat=dots"],
+                 "critic_model.remat,model.remat"),
+                (["--config.algo.gradient_sync=once"], "algo.gradient_sync")]
+
+
+def test_a_resume_may_change_remat_or_gradient_sync_when_named(tmp_path, straight_on_a_mesh):
   """model.remat (what a block keeps for its backward) and algo.gradient_sync (how the
   accumulated update communicates) are the update's memory knobs: neither changes the saved
   state, yet no resume could change them ("the saved state's layout"), so a run out of memory
-  could not resume with remat or per-micro-batch syncing. Named in checkpoint.resume_changes,
-  a resume from iteration 2 trains 3-4 as the uninterrupted run did, up to float rounding
-  (measured on 5-6 of 6 iterations: within 6e-8 for remat, 2.4e-7 for gradient_sync);
-  unnamed it is refused with the flag to add. (The refusal is the trainer's config check,
-  before anything is built: checked in-process on the binary's config, as tiny_config spells
-  it, not in a binary start of its own; the binary's exit 1 with such an error:
-  test_the_binary_names_a_bad_value_... in test_faults.py.)"""
+  could not resume with remat or per-micro-batch syncing. Unnamed, each is refused with the
+  flag to add; named in checkpoint.resume_changes, a resume from iteration 2 with both changed
+  trains 3-4 as the uninterrupted run did, up to float rounding (measured on 5-6 of 6
+  iterations: within 6e-8 for remat, 2.4e-7 for gradient_sync; one binary start for both, as
+  either alone is no closer). (The refusal is the trainer's config check, before anything is
+  built: checked in-process on the binary's config, as tiny_config spells it, not in a binary
+  start of its own; the binary's exit 1 with such an error: test_the_binary_names_a_bad_value_...
+  in test_faults.py.)"""
   import jax
   from rlhfuse_jax.parallel import mesh as mesh_lib
   from rlhfuse_jax.trainer.loop import PPOTrainer
@@ -694,13 +696,16 @@ def test_a_resume_may_change_remat_or_gradient_sync_when_named(tmp_path, straigh
   run = str(tmp_path / "run")
   shutil.copytree(workdir, run)
   shutil.rmtree(os.path.join(run, "checkpoints", "4"))  # as a run stopped after iteration 2
-  cfg = tiny_config(**{"num_iterations": 4, "mesh.data": 2, "mesh.fsdp": 2,
-                       "algo.microbatch_size": 1},
-                    **{f[len("--config."):].split("=")[0]: f.split("=")[1] for f in flags})
-  # (named alone, then ", or": no field but the named ones differs from the saved run's)
-  with pytest.raises(ValueError, match=re.escape(
-      f"add --config.checkpoint.resume_changes={named}, or resume with the original")):
-    PPOTrainer(cfg, run, mesh=mesh_lib.make_mesh(cfg.mesh, jax.devices()[:4]))
+  for flags, named in MEMORY_KNOBS:
+    cfg = tiny_config(**{"num_iterations": 4, "mesh.data": 2, "mesh.fsdp": 2,
+                         "algo.microbatch_size": 1},
+                      **{f[len("--config."):].split("=")[0]: f.split("=")[1] for f in flags})
+    # (named alone, then ", or": no field but the named ones differs from the saved run's)
+    with pytest.raises(ValueError, match=re.escape(
+        f"add --config.checkpoint.resume_changes={named}, or resume with the original")):
+      PPOTrainer(cfg, run, mesh=mesh_lib.make_mesh(cfg.mesh, jax.devices()[:4]))
+  flags = [f for knob, _ in MEMORY_KNOBS for f in knob]
+  named = ",".join(n for _, n in MEMORY_KNOBS)
   out = subprocess.run(_cmd(run, *MESH_FLAGS, *flags,
                             f"--config.checkpoint.resume_changes={named}"),
                        cwd=REPO, env=subprocess_env(4), capture_output=True, text=True,
