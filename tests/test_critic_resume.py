@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from rlhfuse_jax.models import hf_loader
-from rlhfuse_jax.trainer import hooks, rollout
+from rlhfuse_jax.trainer import hooks
 from rlhfuse_jax.trainer.loop import PPOTrainer
 from tests.test_fused_trainer import TIMED
 from tests.test_trainer import _deterministic, _params, tiny_config
@@ -28,12 +28,12 @@ QWEN2 = os.path.join(FIXTURES, "tiny_qwen2")
 PROMPTS = ["the quick", "a tiny model", "one plus two", "hello world", "the critic",
            "three plus four", "the lazy dog", "small numbers"]
 # The update paths a resume builds its models on: each must leave the critic unread. (The
-# pipelined update's resume: tests/test_trainer_pipelined.py, test_pipelined_run_resumes_bitwise;
-# its critic comes from the same build_models call, unread on a resume as on these.)
+# critic comes from one build_models call on every path, unread on a resume. The fused stage's
+# resume: tests/test_fused_trainer.py, test_auto_rt_resumes_with_the_lengths_it_had_seen; the
+# pipelined update's: tests/test_trainer_pipelined.py, test_pipelined_run_resumes_bitwise.)
 PATHS = {
     "serial": {},
     "async": {"async_ppo.staleness": 1},
-    "fused": {"fusion.inter_stage": True, "fusion.migration_threshold": "1.0"},
 }
 
 
@@ -100,8 +100,7 @@ def test_a_resume_reads_no_critic_weights_and_equals_the_uninterrupted_run(
     os.rename(tmp_path / "moved", cfg.init.critic_checkpoint)
   os.remove(os.path.join(cfg.init.critic_checkpoint, "model.safetensors"))
   resumed = _trainer(cfg, run)
-  assert (isinstance(resumed.rollout, rollout.FusedStage),
-          bool(resumed.cfg.async_ppo.staleness)) == (path == "fused", path == "async")
+  assert bool(resumed.cfg.async_ppo.staleness) == (path == "async")
   h_rest = resumed.run()
   assert calls == ["scalar"], calls  # the resume did not
   assert [h["step"] for h in h_first + h_rest] == [1, 2]

@@ -14,7 +14,7 @@ from rlhfuse_jax.trainer import validate as validate_lib
 from rlhfuse_jax.trainer.loop import PPOTrainer, TIMING_PREFIXES
 from tests.test_docs import undocumented_metrics
 from tests.test_mesh import _read_through_host
-from tests.test_trainer import record_rollouts, tiny_config
+from tests.test_trainer import _params, record_rollouts, tiny_config
 
 # Fusion metrics that measure time (the others are decided from tokens and are deterministic).
 TIMED = ("gen/unfinished_curve", "gen/instance_busy_frac", "fusion/inference_overlap_frac",
@@ -116,7 +116,9 @@ def test_a_slow_reward_function_shows_in_timing_s_reward(serial_and_fused, fuse)
 def test_auto_rt_resumes_with_the_lengths_it_had_seen(tmp_path):
   """migration_threshold='auto': a checkpoint keeps the length histogram Rt is chosen from, so
   the run resumed after 2 of 3 iterations holds the same histogram as the straight one at the
-  end (it was empty after a resume, and the first batch fell back to the prior Rt)."""
+  end (it was empty after a resume, and the first batch fell back to the prior Rt), and ends
+  with the straight run's weights, bit for bit: a resume of the fused stage continues the
+  trajectory (the samples do not depend on where Rt consolidates)."""
   mesh = lambda: mesh_lib.make_mesh(mesh_lib.MeshConfig(data=4), jax.devices()[:4])
   cfg = lambda: tiny(**{"fusion.inter_stage": True, "fusion.migration_threshold": "auto"})
   straight = PPOTrainer(cfg(), str(tmp_path / "straight"), mesh=mesh())
@@ -132,6 +134,7 @@ def test_auto_rt_resumes_with_the_lengths_it_had_seen(tmp_path):
   generator.run = lambda *a, **k: seen.append(run(*a, **k)) or seen[-1]
   resumed.run()
   np.testing.assert_array_equal(generator.lengths.counts, want)
+  jax.tree.map(np.testing.assert_array_equal, _params(resumed), _params(straight))
   # Its one batch chose Rt by simulation over the 2 batches' lengths, not the prior.
   assert len(seen) == 1 and seen[0].rt_choice.simulated_s, seen[0].rt_choice
 
