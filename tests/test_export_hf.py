@@ -24,7 +24,7 @@ from rlhfuse_jax.models import hf_loader, llama
 from rlhfuse_jax.parallel import mesh as mesh_lib
 from rlhfuse_jax.trainer import config as config_lib
 from rlhfuse_jax.trainer import export as export_lib
-from rlhfuse_jax.trainer import hf_export, loop
+from rlhfuse_jax.trainer import hf_export, hooks, loop
 from rlhfuse_jax.trainer.loop import PPOTrainer
 from tests.test_plan import plan_json
 from tests.test_trainer import with_overrides
@@ -127,13 +127,16 @@ def test_an_earlier_kept_step_exports_its_own_weights_and_leaves_the_run_alone(
   assert not _same(params, _checkpoint_actor(run, 3))  # the iterations differ: 2 is 2
   assert _digests(run) == before
 
-  # The next export there fails while writing (its tokenizer): the one before stays whole.
+  # The next export there fails while writing (its tokenizer): the one before stays whole, and
+  # the failed one leaves no working directory beside it; the error names the export (export_hf:
+  # exit 3, as a failed write of train_ppo's).
   def broken(*args):
     raise OSError("disk full")
   monkeypatch.setattr(hf_export, "_copy_tokenizer", broken)
-  with pytest.raises(OSError, match="disk full"):
+  with pytest.raises(hooks.LogWriteError, match=f"writing {out} failed: OSError: disk full"):
     export_lib.export(run, "3", out, mesh=_one_device(cfg))
   assert hf_export.exported_step(out) == 2 and _same(_exported(out), params)
+  assert not os.path.exists(hf_export.export_work_dirs(out)[0])
   assert _digests(run) == before
 
 
