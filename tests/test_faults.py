@@ -1377,6 +1377,14 @@ def _full_disk_under(monkeypatch, directory: str, name: str = "") -> None:
   monkeypatch.setattr(os, "fsync", fsync)
 
 
+def _finished_run_write_failed(path: str) -> str:
+  """The SaveError of a full disk at `path` after a 2-iteration run's last checkpoint."""
+  return (f"writing {path} failed: OSError: [Errno 28] No space left on device; the run is "
+          "finished and nothing of it is lost: checkpoint 2 and the metrics through it are "
+          "intact, and the same command, re-run once the cause is fixed, trains nothing and "
+          "writes result.json and the HF export (where asked) again")
+
+
 def test_a_full_disk_at_the_start_s_config_json_stops_the_run_as_a_failed_save_does(
     tmp_path, monkeypatch):
   """The start's config.json (config.K.json on a resume) on a full disk ended the run with the
@@ -1405,11 +1413,7 @@ def test_a_full_disk_at_the_hf_export_says_the_finished_run_is_kept(tmp_path, mo
   _full_disk_under(monkeypatch, hf_export.export_work_dirs(os.path.join(run, "hf_export"))[0])
   with pytest.raises(checkpointing.SaveError) as e:
     PPOTrainer(cfg, run).run()
-  assert str(e.value) == (
-      f"writing {run}/hf_export failed: OSError: [Errno 28] No space left on device; the run is "
-      "finished and nothing of it is lost: checkpoint 2 and the metrics through it are intact, "
-      "and the same command, re-run once the cause is fixed, trains nothing and writes "
-      "result.json and the HF export (where asked) again")
+  assert str(e.value) == _finished_run_write_failed(f"{run}/hf_export")
   assert not os.path.exists(os.path.join(run, "hf_export"))
   monkeypatch.undo()
   redo = PPOTrainer(cfg, run)
@@ -1495,11 +1499,7 @@ def test_a_full_disk_at_a_finished_run_s_re_run_stops_it_as_a_failed_save_does(
     _full_disk_under(m, run, "metrics.jsonl")
     with pytest.raises(checkpointing.SaveError) as e:
       PPOTrainer(cfg, run).run()
-  assert str(e.value) == (
-      f"writing {path} failed: OSError: [Errno 28] No space left on device; the run is "
-      "finished and nothing of it is lost: checkpoint 2 and the metrics through it are intact, "
-      "and the same command, re-run once the cause is fixed, trains nothing and writes "
-      "result.json and the HF export (where asked) again")
+  assert str(e.value) == _finished_run_write_failed(path)
   assert [r["step"] for r in wd.read_jsonl(path)] == [1, 2, 3]
   assert not [n for n in os.listdir(run) if n.startswith(wd.TMP_PREFIX)]
   assert PPOTrainer(cfg, run).run() == []
