@@ -483,6 +483,13 @@ class WorkdirLock:
     self.release()
 
 
+def os_error_text(e: OSError) -> str:
+  """`OSError: [Errno 28] No space left on device`: the error's type and cause without the file
+  it names (the caller's message names the file itself)."""
+  cause = f"[Errno {e.errno}] {e.strerror}" if e.errno and e.strerror else str(e)
+  return f"{type(e).__name__}: {cause}"
+
+
 @contextlib.contextmanager
 def _naming(path: str):
   """Re-raises an OSError that names no file (a write's or fsync's ENOSPC) or a temp file as

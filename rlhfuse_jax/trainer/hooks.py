@@ -304,9 +304,7 @@ def writing(path: str):
   try:
     yield
   except OSError as e:
-    cause = f"[Errno {e.errno}] {e.strerror}" if e.errno and e.strerror else str(e)
-    raise LogWriteError(f"writing {e.filename or path} failed: {type(e).__name__}: "
-                        f"{cause}") from e
+    raise LogWriteError(f"writing {e.filename or path} failed: {wd.os_error_text(e)}") from e
 
 
 class MetricsLog(Hook):

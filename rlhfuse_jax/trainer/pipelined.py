@@ -285,10 +285,8 @@ def searched_schedule(problem: PipelineProblem, pipeline: PipelineConfig, workdi
     wd.write_json(path, {"key": key, "schedule": found.to_dict(),
                          "search_s": result.search_s, "evaluations": result.evaluations})
   except OSError as e:  # (a full disk stopped the set-up: a cache only spares a search)
-    cause = f"[Errno {e.errno}] {e.strerror}" if e.errno and e.strerror else str(e)
-    logging.warning("pipeline: could not cache the searched schedule in %s (%s: %s); the run "
-                    "goes on, and its next start searches again", path, type(e).__name__,
-                    cause)
+    logging.warning("pipeline: could not cache the searched schedule in %s (%s); the run goes "
+                    "on, and its next start searches again", path, wd.os_error_text(e))
   else:
     logging.info("pipeline: searched a fused schedule in %.1fs (%d evaluations), makespan %g "
                  "ticks; cached at %s", result.search_s, result.evaluations, found.makespan,
