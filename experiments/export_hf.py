@@ -45,6 +45,7 @@ import sys
 from absl import flags, logging
 
 from experiments import config_files
+from rlhfuse_jax import checkpointing
 from rlhfuse_jax.trainer import export as export_lib
 from rlhfuse_jax.trainer import hf_export
 from rlhfuse_jax.trainer import hooks
@@ -66,11 +67,6 @@ _MODEL = flags.DEFINE_enum("model", "actor", list(hf_export.MODELS),
                            "one: algo.estimator='gae'), as a *ForSequenceClassification.")
 
 
-# A write of the export failed (hooks.LogWriteError: a full disk): train_ppo's status for its
-# failed saves and exports (EXIT_SAVE_FAILED), one for schedulers.
-EXIT_WRITE_FAILED = 3
-
-
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
@@ -81,7 +77,7 @@ def main(argv):
   except hooks.LogWriteError as e:  # one line, not OSError's (exit 1, naming no file)
     logging.error("%s; the run in %s is as it was: once the cause is fixed, the same command "
                   "writes the export again", e, workdir)
-    sys.exit(EXIT_WRITE_FAILED)
+    sys.exit(checkpointing.EXIT_SAVE_FAILED)  # (train_ppo's for a failed save or export)
   logging.info("exported the %s of %s as a HF %s checkpoint: %s (the run's config: %s)",
                result["model"], result["chosen"], result["family"], result["out"],
                result["config"])

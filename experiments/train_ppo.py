@@ -52,7 +52,7 @@ from rlhfuse_jax.trainer.loop import EXIT_STOPPED_BY_SIGNAL, PPOTrainer, TIMING_
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd process
 
-EXIT_SAVE_FAILED = 3  # checkpointing.SaveError: a save, or another record (hooks.LogWriteError)
+EXIT_SAVE_FAILED = checkpointing.EXIT_SAVE_FAILED  # a save, or another record (LogWriteError)
 
 # What result.json's trained_by (and each checkpoint) keeps of the start that trained each
 # span of iterations: provenance() is the last start's alone, and a finished run re-run (or

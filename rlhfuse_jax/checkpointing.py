@@ -254,6 +254,11 @@ class SaveError(RuntimeError):
   signal that never comes; train_ppo exits at once instead of waiting for them.)"""
 
 
+# The exit status of a binary stopped by a SaveError (a checkpoint save, or another record of the
+# run: trainer/hooks.LogWriteError; train_ppo and export_hf): one status for a scheduler.
+EXIT_SAVE_FAILED = 3
+
+
 # Orbax's replica-parallel save splits each replicated array into one slice per replica, each
 # written by its own replica; every slice costs a slicing op (compiled per shape, on its first
 # use in a process) and a device-to-host transfer: 1.5 ms a slice on the 2-core CPU machine
