@@ -1422,6 +1422,17 @@ def test_a_full_disk_at_the_hf_export_says_the_finished_run_is_kept(tmp_path, mo
   assert [r["step"] for r in wd.read_jsonl(os.path.join(run, "metrics.jsonl"))] == [1, 2]
 
 
+def _env_with_sitecustomize(tmp_path, text: str) -> dict:
+  """_env() with `text` as a sitecustomize every Python process it starts runs first (the
+  faults a binary meets in its own writes)."""
+  site = tmp_path / "site"
+  site.mkdir()
+  (site / "sitecustomize.py").write_text(text)
+  env = _env()
+  env["PYTHONPATH"] = os.pathsep.join([str(site), REPO, env.get("PYTHONPATH", "")])
+  return env
+
+
 # A sitecustomize for the binary below: log.txt cannot be created, result.json's fsync fails.
 _FULL_AT_LOG_AND_RESULT = """import builtins, errno, os
 _W, _open = {run!r}, builtins.open
@@ -1444,11 +1455,8 @@ def test_a_full_disk_at_log_txt_and_result_json_ends_the_binary_in_one_line(tmp_
   run the same way. Now log.txt is said once, as a write to it that fails (the log goes on on
   stderr), and result.json exits 3 in one line naming it and what is kept; the same command
   re-run writes result.json, training nothing."""
-  run, site = str(tmp_path / "run"), tmp_path / "site"
-  site.mkdir()
-  (site / "sitecustomize.py").write_text(_FULL_AT_LOG_AND_RESULT.format(run=run))
-  env = _env()
-  env["PYTHONPATH"] = os.pathsep.join([str(site), REPO, env.get("PYTHONPATH", "")])
+  run = str(tmp_path / "run")
+  env = _env_with_sitecustomize(tmp_path, _FULL_AT_LOG_AND_RESULT.format(run=run))
   cmd = _cmd(run, "--config.num_iterations=2")
   out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   err = out.stderr
@@ -1593,14 +1601,11 @@ def test_a_full_disk_at_export_hf_ends_it_in_one_line_and_leaves_no_export(
   from rlhfuse_jax.trainer import export as export_lib
   from rlhfuse_jax.trainer import hf_export
   cfg, workdir = finished_2
-  run, site = str(tmp_path / "run"), tmp_path / "site"
+  run = str(tmp_path / "run")
   shutil.copytree(workdir, run)
   out = export_lib.default_out(run, 2)
-  site.mkdir()
-  (site / "sitecustomize.py").write_text(
-      _FULL_AT_EXPORT.format(writing=hf_export.export_work_dirs(out)[0]))
-  env = _env()
-  env["PYTHONPATH"] = os.pathsep.join([str(site), REPO, env.get("PYTHONPATH", "")])
+  env = _env_with_sitecustomize(
+      tmp_path, _FULL_AT_EXPORT.format(writing=hf_export.export_work_dirs(out)[0]))
   proc = subprocess.run([sys.executable, "-m", "experiments.export_hf", f"--workdir={run}"],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   err = proc.stderr
