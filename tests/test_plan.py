@@ -960,25 +960,40 @@ def test_plan_search_checks_a_calibration_against_the_runs_actor(tmp_path):
       assert not run.exists() or not {"config.json", "result.json"} & set(os.listdir(run))
 
 
+def _ppo_tiny_at_a_path_with_a_space(tmp_path) -> str:
+  """configs/ppo_tiny.py copied to TMP/my runs/long_run.py: its path."""
+  (tmp_path / "my runs").mkdir()
+  path = str(tmp_path / "my runs" / "long_run.py")
+  shutil.copy(os.path.join(ROOT, "configs", "ppo_tiny.py"), path)
+  return path
+
+
 def test_plan_search_takes_a_run_config_with_train_ppos_overrides(tmp_path):
   """plan_search:train searched a train_ppo config file as written: a run with overrides
   (--config.rollout.max_new_tokens=...) needed a config file of its own. --run_config takes
   the file and its overrides as plan_check's does; the workload, plan.json's record and the
   report are the overridden run's, the trainer's refusals name --run_config.<field>, and a
-  search of a paper pair (no run) refuses it."""
+  search of a paper pair (no run) refuses it.
+
+  The file is at a path with a space: plan_search joined --run_config's PATH and its overrides
+  into one string and cut it at its first space for the workload's name (a config at
+  'my runs/long_run.py' was searched as 'my'). The path travels beside the overrides: the
+  models are named after the file, and plan.json and the report record the whole path followed
+  by the overrides."""
   env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  path = _ppo_tiny_at_a_path_with_a_space(tmp_path)
   cmd = [sys.executable, "-m", "experiments.plan_search", "--config=configs/plan_search.py:train",
-         "--run_config=configs/ppo_tiny.py", "--config.systems=realhf_like",
+         f"--run_config={path}", "--config.systems=realhf_like",
          f"--workdir={tmp_path / 'ps'}"]
   out = subprocess.run(cmd + ["--run_config.rollout.max_new_tokens=16",
                               "--run_config.model.num_layers=4"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   w = json.loads((tmp_path / "ps" / "plan.json").read_text())["workload"]
-  spec = ("configs/ppo_tiny.py --run_config.model.num_layers=4 "
-          "--run_config.rollout.max_new_tokens=16")
+  spec = f"{path} --run_config.model.num_layers=4 --run_config.rollout.max_new_tokens=16"
   assert (w["actor"]["num_layers"], w["critic"]["num_layers"], w["max_new_tokens"],
-          w["train_config"]) == (4, 2, 16, spec), w
+          w["train_config"], w["actor"]["name"], w["critic"]["name"]) == (
+              4, 2, 16, spec, "long_run actor", "long_run critic"), w
   md = (tmp_path / "ps" / "plan_search.md").read_text()
   assert f"# Plan search: {spec} on 8 x h100_sxm" in md
   # A system faster than the plans the trainer runs is explained, not left beside them bare.
@@ -1245,16 +1260,24 @@ def test_plan_search_binary_for_a_train_config(tmp_path):
 
 def test_plan_search_says_a_critic_free_run_is_searched_as_ppos(tmp_path):
   """The simulator's training plans are actor + critic pairs: a GRPO run's search timed and
-  sized a critic the run does not train, exactly PPO's figures, without a word."""
+  sized a critic the run does not train, exactly PPO's figures, without a word. (The run's
+  config.train_config is at a path with a space: named after its file, recorded whole, as
+  --run_config's path is in the overrides test above.)"""
   env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  spec = f"{_ppo_tiny_at_a_path_with_a_space(tmp_path)}:grpo"
+  work = tmp_path / "ps"
   out = subprocess.run(
       [sys.executable, "-m", "experiments.plan_search", "--config=configs/plan_search.py:train",
-       "--config.train_config=configs/ppo_tiny.py:grpo", f"--workdir={tmp_path}",
+       f"--config.train_config={spec}", f"--workdir={work}",
        "--config.systems="], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
+  w = json.loads((work / "plan.json").read_text())["workload"]
+  assert (w["actor"]["name"], w["critic"]["name"], w["train_config"]) == (
+      "long_run actor", "long_run critic", spec), w
+  assert f"# Plan search: {spec} on 8 x h100_sxm" in (work / "plan_search.md").read_text()
   note = ("algo.estimator='grpo' trains no critic; the search timed and sized one as PPO's (an "
           "overestimate)")
-  assert json.loads((tmp_path / "result.json").read_text())["setting"]["critic_note"] == note
+  assert json.loads((work / "result.json").read_text())["setting"]["critic_note"] == note
   assert f"plan search: {note}: the plan's predicted times" in out.stderr, out.stderr[-3000:]
 
 
@@ -1274,31 +1297,6 @@ def test_the_planned_layout_is_said_at_set_up():
   assert rollout.planned_layout(PlanConfig(inference_tp=2), 8) == (
       "generation: on the mesh of its 8 devices; inference on a data=4 x tensor=2 mesh of them "
       "(config.plan.inference_tp)")
-
-
-def test_plan_search_names_a_run_config_whose_path_holds_a_space(tmp_path):
-  """plan_search joined --run_config's PATH and its overrides into one string and cut it at
-  its first space for the workload's name: a config at 'my runs/long_run.py' was searched as
-  'my'. The path travels beside the overrides: the models are named after the file, and
-  plan.json and the report record the whole path followed by the overrides. The same for
-  config.train_config (no overrides)."""
-  env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-  (tmp_path / "my runs").mkdir()
-  path = str(tmp_path / "my runs" / "long_run.py")
-  shutil.copy(os.path.join(ROOT, "configs", "ppo_tiny.py"), path)
-  base = [sys.executable, "-m", "experiments.plan_search", "--config=configs/plan_search.py:train",
-          "--config.systems="]
-  for args, spec in (([f"--run_config={path}", "--run_config.rollout.max_new_tokens=16"],
-                      f"{path} --run_config.rollout.max_new_tokens=16"),
-                     ([f"--config.train_config={path}"], path)):
-    work = tmp_path / f"ps{len(args)}"
-    out = subprocess.run(base + args + [f"--workdir={work}"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    w = json.loads((work / "plan.json").read_text())["workload"]
-    assert (w["actor"]["name"], w["critic"]["name"], w["train_config"]) == (
-        "long_run actor", "long_run critic", spec), w
-    assert f"# Plan search: {spec} on 8 x h100_sxm" in (work / "plan_search.md").read_text()
 
 
 def test_a_plan_sized_at_other_dtypes_is_warned_of(tmp_path):
