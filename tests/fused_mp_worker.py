@@ -80,6 +80,17 @@ def run_case(g: int = G, seed: int = 0) -> dict:
                              (("load",), None), (KINDS, None))] + [
         len(tl.watched) * tl.gen_plus_inf_s]
     keep["own_load_bytes"] = int(res.by_process[jax.process_index()][4])  # its loader's count
+    # ... and its own spans and waits, by its own clock: what the migration and stage times and
+    # the unfinished curve's times combine over the processes.
+    keep["timing"] = {k: v for k, v in res.metrics.items() if k.startswith("timing_s/")}
+    keep["own_clock"] = {
+        "migration_s": tl.migration_s,
+        "same_host_s": tl.per_consolidation_span_s(tl.tagged.get("same_host", [])),
+        "cross_host_s": sum(c["cross_host_s"] for c in res.consolidations),
+        "compile_s": sum(c["cross_host_compile_s"] for c in res.consolidations),
+        "gen_end_s": tl.gen_end_s, "gen_plus_inf_s": tl.gen_plus_inf_s,
+        "place_s": res.by_process[jax.process_index()][-len(tl.unfinished_curve) - 1],
+        "curve_s": [t for t, _ in tl.unfinished_curve]}
     out[f"{name}/metrics"] = np.asarray(json.dumps(keep))
   # A validation pass's call (trainer/rollout.validation_stage): the reward model alone, the
   # critic's params left out; every process skips the same models.

@@ -472,6 +472,28 @@ def test_instances_loaded_before_generation_ended_count_only_loads_that_ended_in
   assert dataclasses.replace(tl, gen_end_s=1.2).loaded_before_gen_end == 2
 
 
+def two_processes(p0: Timeline, p1: Timeline, load_bytes: dict, place_s: dict, sent: list):
+  """(process, rows) of each of 2 processes' `fused.figures_over_processes`, the all-gather
+  faked with the other's row sent as the real one is (padded, as int32 words); `sent`
+  collects the dtypes each process sent."""
+  from rlhfuse_jax.generation import multihost
+  timelines = (p0, p1)
+  for me in (0, 1):
+    ex = multihost.Exchange(timeout_s=60)
+    ex.count, ex.me = 2, me
+    other = 1 - me
+
+    def gather(x, other=other):
+      sent.append(x.dtype)
+      row = timelines[other].process_figures(load_bytes[other], place_s[other])
+      padded = np.zeros(x.size // 2, np.float64)
+      padded[:len(row)] = row
+      theirs = np.frombuffer(padded.tobytes(), np.int32)
+      return np.stack([x, theirs] if other == 1 else [theirs, x])
+    ex._host_allgather = gather
+    yield me, fused.figures_over_processes(timelines[me], load_bytes[me], place_s[me], ex)
+
+
 def test_overlap_loads_and_busy_time_cover_every_processs_instances():
   """Several processes: each watches and loads its own instances only, while
   fusion/freed_before_gen_end counts every process's (the shared inference queue). With process
@@ -493,17 +515,7 @@ def test_overlap_loads_and_busy_time_cover_every_processs_instances():
   loaded_bytes = {0: 3_000_000_001, 1: 2_000_000_003}
   assert (p0.loaded_before_gen_end, p0.inference_overlap_frac) == (0, 0.0)
   sent = []
-  for me, mine, other in ((0, p0, p1), (1, p1, p0)):
-    ex = multihost.Exchange(timeout_s=60)
-    ex.count, ex.me = 2, me
-
-    def gather(x, me=me, other=other):
-      sent.append(x.dtype)
-      row = np.float64(other.process_figures(loaded_bytes[1 - me]))
-      theirs = np.frombuffer(row.tobytes(), np.int32)
-      return np.stack([x, theirs] if me == 0 else [theirs, x])
-    ex._host_allgather = gather
-    rows = fused.figures_over_processes(mine, loaded_bytes[me], ex)
+  for me, rows in two_processes(p0, p1, loaded_bytes, {0: 0.0, 1: 0.0}, sent):
     got = combined_figures(rows)
     assert got["fusion/loaded_before_gen_end"] == 1, me
     assert got["fusion/inference_overlap_frac"] == pytest.approx(0.6 / 1.2), me
@@ -514,11 +526,53 @@ def test_overlap_loads_and_busy_time_cover_every_processs_instances():
   assert sent == [np.int32, np.int32]  # (Exchange.allgather refuses 64-bit data)
   # One process: its own figures, bit for bit, and no exchange.
   one = multihost.Exchange(timeout_s=60)
-  got = combined_figures(fused.figures_over_processes(p1, 7, one))
-  assert got == {"fusion/loaded_before_gen_end": 1, "fusion/inference_overlap_frac": 0.75,
-                 "fusion/weight_load_s": p1.kind_s("load"), "fusion/weight_load_bytes": 7,
-                 "gen/instance_busy_frac": p1.instance_busy_frac}
+  got = combined_figures(fused.figures_over_processes(p1, 7, 0.25, one))
+  assert {k: got[k] for k in ("fusion/loaded_before_gen_end", "fusion/inference_overlap_frac",
+                              "fusion/weight_load_s", "fusion/weight_load_bytes",
+                              "gen/instance_busy_frac", "timing_s/gen_plus_inf",
+                              "timing_s/actor_to_instances")} == {
+      "fusion/loaded_before_gen_end": 1, "fusion/inference_overlap_frac": 0.75,
+      "fusion/weight_load_s": p1.kind_s("load"), "fusion/weight_load_bytes": 7,
+      "gen/instance_busy_frac": p1.instance_busy_frac, "timing_s/gen_plus_inf": 1.25,
+      "timing_s/actor_to_instances": 0.25}
   assert p1.inference_overlap_frac == 0.75 and p1.instance_busy_frac == 2.0 / 2.5
+
+
+def test_migration_spans_stage_times_and_the_curve_are_the_slowest_processs():
+  """Several processes: each times its own instances' copies and its own stages, by its own
+  clock (process 1's started 0.1 s after process 0's). Process 0's figures alone logged its
+  0.3 s of copies where process 1's took 0.8 s, 0.05 s of waiting for the cross-process
+  collectives where process 1 waited 0.25 s, and 0.5 s of inference left after generation
+  where process 1 scored 0.8 s more (every process waits for that at the results' exchange).
+  The whole run's figure of each is its slowest process's; its clock starts with the earliest
+  process, so generation ends at 2.0 s and everything at 1.9 + 0.8 + 0.1 = 2.8 s, and each
+  read-out of the unfinished samples at its latest reading."""
+  cons = [{"time_s": 0.9, "cross_host_s": 0.05, "cross_host_compile_s": 0.5}]
+  p0 = Timeline(num_instances=4, segments=[(1, 1.0, 1.3, "migrate")],
+                unfinished_curve=[(0.0, 4), (1.0, 2), (2.0, 0)], consolidations=cons,
+                gen_end_s=2.0, gen_plus_inf_s=2.5, observed=(0, 1),
+                tagged={"same_host": [(1.0, 1.3)]})
+  p1 = Timeline(num_instances=4, segments=[(2, 1.1, 1.8, "migrate"), (3, 1.0, 1.2, "migrate")],
+                unfinished_curve=[(0.0, 4), (0.95, 2), (1.9, 0)],
+                consolidations=[{"time_s": 0.85, "cross_host_s": 0.25,
+                                 "cross_host_compile_s": 0.4}],
+                gen_end_s=1.9, gen_plus_inf_s=2.7, observed=(2, 3),
+                tagged={"same_host": [(1.0, 1.2)]})
+  assert (p1.migration_s, p1.same_host_migration_s) == pytest.approx((0.7 + 0.1, 0.2))
+  for me, rows in two_processes(p0, p1, {0: 0, 1: 0}, {0: 0.3, 1: 0.35}, []):
+    got = combined_figures(rows, [4, 2, 0])
+    assert {k: got[k] for k in got if k.startswith(("gen/migration", "timing_s/"))} == (
+        pytest.approx({"gen/migration_s": 0.8, "gen/migration_same_host_s": 0.3,
+                       "gen/migration_cross_host_s": 0.25,
+                       "gen/migration_cross_host_compile_s": 0.5, "timing_s/generate": 2.0,
+                       "timing_s/inference": 0.8, "timing_s/gen_plus_inf": 2.8,
+                       "timing_s/actor_to_instances": 0.35})), me
+    assert got["gen/unfinished_curve"] == [[0.0, 4], [1.0, 2], [2.0, 0]], me
+  # One process: its own, bit for bit (gen_plus_inf_s itself, not generate + inference).
+  got = combined_figures([p1.process_figures(0, 0.35)], [4, 2, 0])
+  assert (got["timing_s/generate"], got["timing_s/gen_plus_inf"]) == (1.9, 2.7)
+  assert got["timing_s/inference"] == 2.7 - 1.9
+  assert got["gen/unfinished_curve"] == [[0.0, 4], [0.95, 2], [1.9, 0]]
 
 
 def test_migration_time_leaves_out_the_decoding_between_two_consolidations():

@@ -116,6 +116,26 @@ def test_two_processes_match_one_process_with_cross_host_migration(tmp_path):
       assert m["fusion/weight_load_s"] == pytest.approx(load_s, rel=1e-12), (name, local)
       assert m["gen/instance_busy_frac"] == pytest.approx(busy_s / instance_s, rel=1e-12), (
           name, local)
+    # The migrations' spans and waits, the stage times and the curve's read-outs: each process
+    # timed its own instances by its own clock, and process 0's alone understated the others'
+    # (in the late batch no same-process copies and 0.034 s of cross-process waiting logged
+    # where process 1 copied for 0.025 s and waited 0.123 s). The slowest process's, on a
+    # clock from the earliest process's start (timeline.combined_figures).
+    own = [m["own_clock"] for m in both]
+    slowest = {k: max(o[k] for o in own) for k in own[0] if k != "curve_s"}
+    generate = slowest["gen_end_s"]
+    for m in both:
+      for k, o in (("gen/migration_s", "migration_s"), ("gen/migration_same_host_s", "same_host_s"),
+                   ("gen/migration_cross_host_s", "cross_host_s"),
+                   ("gen/migration_cross_host_compile_s", "compile_s"),
+                   ("timing_s/generate", "gen_end_s"), ("timing_s/actor_to_instances", "place_s")):
+        assert {**m, **m["timing"]}[k] == slowest[o], (name, k, own)
+      gen_plus_inf = max(o["gen_plus_inf_s"] + generate - o["gen_end_s"] for o in own)
+      assert m["timing"]["timing_s/gen_plus_inf"] == pytest.approx(gen_plus_inf, rel=1e-12), own
+      assert m["timing"]["timing_s/inference"] == pytest.approx(gen_plus_inf - generate,
+                                                                 rel=1e-12), own
+      assert [t for t, _ in m["gen/unfinished_curve"]] == [
+          round(max(ts), 5) for ts in zip(*[o["curve_s"] for o in own], strict=True)], own
     assert one["gen/migrated_samples_cross_host"] == 0  # one process: nothing crosses
     assert both[0]["gen/migrated_samples_cross_host"] == both[1][
         "gen/migrated_samples_cross_host"]

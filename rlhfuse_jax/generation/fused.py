@@ -223,8 +223,8 @@ class FusedOutput:
   rt_choice: Optional[rt_choice.RtChoice]  # how "auto" chose it
   no_migration: list  # why a due consolidation moved nothing (distinct reasons, in order)
   metrics: dict  # gen/*, fusion/*, timing_s/* of docs/architecture.md §2 (_Run._execute)
-  # [P, 7] each process's Timeline.process_figures, which the overlap, weight-load and busy
-  # metrics combine (figures_over_processes)
+  # [P, n] each process's Timeline.process_figures, which the per-instance metrics and the
+  # stage times combine (figures_over_processes)
   by_process: list = dataclasses.field(default_factory=list)
 
   @property
@@ -1211,10 +1211,11 @@ class _Run:
                   unfinished_curve=curve, consolidations=self.consolidations,
                   gen_end_s=gen_end, gen_plus_inf_s=gen_plus_inf, tagged=dict(self.log.tagged))
     cons = self.consolidations
-    rows = figures_over_processes(tl, load_bytes, gen.exchange)
-    every = combined_figures(rows)  # of every process's instances
+    rows = figures_over_processes(tl, load_bytes, place_s, gen.exchange)
+    # Of every process's instances, and every process's clock: timeline.combined_figures
+    every = combined_figures(rows, [u for _, u in curve])
     metrics = {
-        "gen/unfinished_curve": [[round(float(x), 5), int(u)] for x, u in curve],
+        "gen/unfinished_curve": every["gen/unfinished_curve"],
         "gen/consolidation_step": cons[0]["step"] if cons else -1,
         # Instances decoding just before the first consolidation and after the last (0: none).
         "gen/consolidated_from": len(cons[0]["kept"]) + len(cons[0]["released"]) if cons else 0,
@@ -1223,17 +1224,16 @@ class _Run:
         "gen/migrated_kv_bytes": int(sum(c["moved_bytes"] for c in cons)),
         "gen/migration_copied_bytes": int(sum(c["copied_bytes"] for c in cons)),
         # Each consolidation's first copy's start to its last copy's end (measured by the
-        # watchers), summed: not the decode rounds between two consolidations.
-        "gen/migration_s": tl.migration_s,
-        # Same-process migrations' time, likewise (their copies, as this process's watchers saw);
-        # the migrations between instances of different processes (one collective each),
-        # their bytes (rows, padding included) and this process's wait for them.
-        "gen/migration_same_host_s": tl.per_consolidation_span_s(tl.tagged.get("same_host", [])),
+        # watchers), summed: not the decode rounds between two consolidations. The slowest
+        # process's, as its same-process part, its wait for the cross-process collectives
+        # (their bytes, rows and padding included, are every process's) and their compiles.
+        "gen/migration_s": every["gen/migration_s"],
+        "gen/migration_same_host_s": every["gen/migration_same_host_s"],
         "gen/migrated_samples_cross_host": int(sum(c["cross_host_moves"] for c in cons)),
         "gen/migration_cross_host_bytes": int(sum(c["cross_host_copied_bytes"] for c in cons)),
-        "gen/migration_cross_host_s": float(sum(c["cross_host_s"] for c in cons)),
+        "gen/migration_cross_host_s": every["gen/migration_cross_host_s"],
         # First use of a (source, target, rows) transfer program: its compile, not counted above.
-        "gen/migration_cross_host_compile_s": float(sum(c["cross_host_compile_s"] for c in cons)),
+        "gen/migration_cross_host_compile_s": every["gen/migration_cross_host_compile_s"],
         "gen/instance_busy_frac": every["gen/instance_busy_frac"],
         "fusion/inference_overlap_frac": every["fusion/inference_overlap_frac"],
         "fusion/weight_load_s": every["fusion/weight_load_s"],
@@ -1246,10 +1246,9 @@ class _Run:
         # The same without consolidation (what the baseline decodes; equal to instance_chunks
         # in an iteration that did not consolidate): the decode work the migration saved.
         "gen/instance_chunks_unfused": table.unfused_chunks(gen.sampling.chunk_size),
-        "timing_s/generate": gen_end,
-        "timing_s/inference": gen_plus_inf - gen_end,
-        "timing_s/gen_plus_inf": gen_plus_inf,
-        "timing_s/actor_to_instances": place_s,
+        # (the slowest process's: every one waits for it at the next collective)
+        **{k: every[k] for k in ("timing_s/generate", "timing_s/inference",
+                                 "timing_s/gen_plus_inf", "timing_s/actor_to_instances")},
     }
     if self.models:
       # Why an overlap is 0: instances freed for inference before generation ended (released
@@ -1266,20 +1265,25 @@ class _Run:
                        by_process=[[float(x) for x in row] for row in rows])
 
 
-def figures_over_processes(tl: Timeline, load_bytes: int, exchange: multihost.Exchange):
-  """[P, 7]: every process's `Timeline.process_figures`, which timeline.combined_figures turns
-  into the overlap, weight-load and busy metrics of every process's instances. Each process
-  watches and loads only its own (`tl.observed`), while `freed_before_gen_end` counts all of
-  them (the shared inference queue): with process 0's figures alone a "5 freed, none loaded"
-  was false of the other processes' instances, and the weight loads were process 0's alone.
-  With several processes one small all-gather of float64 words (a byte count is exact),
-  called by every process at the same point of `run`, under the exchanges' peer-loss guard
-  like every other; one process keeps its own row as it is (no exchange, no rounding)."""
-  row = tl.process_figures(load_bytes)
+def figures_over_processes(tl: Timeline, load_bytes: int, place_s: float,
+                           exchange: multihost.Exchange):
+  """[P, n]: every process's `Timeline.process_figures`, which timeline.combined_figures turns
+  into the metrics of every process's instances and clocks. Each process watches and loads
+  only its own (`tl.observed`), while `freed_before_gen_end` counts all of them (the shared
+  inference queue): with process 0's figures alone a "5 freed, none loaded" was false of the
+  other processes' instances, the weight loads were process 0's alone, and so were the
+  migration spans and the stage times. With several processes one small all-gather of float64
+  words (a byte count is exact), called by every process at the same point of `run`, under
+  the exchanges' peer-loss guard like every other; the row padded to a power of two (its
+  curve's length changes with the rounds: a handful of compiled shapes, not one per length);
+  one process keeps its own row as it is (no exchange, no rounding)."""
+  row = tl.process_figures(load_bytes, place_s)
   if not exchange.multi:
     return [row]
-  return exchange.allgather_float64(np.asarray(row, np.float64),
-                                    "the instances' overlap, weight loads and busy time")
+  padded = np.zeros(multihost.pad_rows(len(row)), np.float64)  # [n, rounded up]
+  padded[:len(row)] = row
+  return exchange.allgather_float64(padded, "the instances' figures and the processes' "
+                                    "clocks")[:, :len(row)]
 
 
 def _sequences(prompts, prompt_lens, responses, response_lens, pad_id: int) -> np.ndarray:

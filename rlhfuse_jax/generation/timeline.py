@@ -129,29 +129,57 @@ def combined_overlap(figures) -> tuple:
   return loaded, (before / total if total > 0 else 0.0)
 
 
-def combined_figures(rows) -> dict:
-  """The per-instance metrics of docs/architecture.md §2 over the instances of every row of
-  `rows` [P, 7]: one `Timeline.process_figures` per process, each of the instances it watched
-  (process 0's alone left out the others' loads: 256784 of 385176 bytes in a batch of
-  tests/test_fused_multiprocess.py). One row gives that Timeline's own values bit for bit: a
-  single process logs what it did before."""
+# The columns of a process's row of the batch-end exchange (`Timeline.process_figures`); the
+# times of its unfinished-sample curve follow them.
+FIGURES = ("loaded_before_gen_end", "inference_before_gen_end_s", "inference_s", "load_s",
+           "load_bytes", "busy_s", "instance_s", "migration_s", "migration_same_host_s",
+           "migration_cross_host_s", "migration_cross_host_compile_s", "gen_end_s",
+           "gen_plus_inf_s", "actor_to_instances_s")
+
+
+def combined_figures(rows, unfinished=()) -> dict:
+  """The metrics of docs/architecture.md §2 that each process measures of its own instances or
+  by its own clock, over every process: `rows` [P, len(FIGURES) + curve points], one
+  `Timeline.process_figures` per process (process 0's alone left out the others' loads:
+  256784 of 385176 bytes in a batch of tests/test_fused_multiprocess.py). One row gives that
+  process's own values bit for bit: a single process logs what it did before. `unfinished`:
+  the curve's counts of unfinished samples (the same on every process), for its times."""
+  col = {name: [float(r[k]) for r in rows] for k, name in enumerate(FIGURES)}
   loaded, overlap = combined_overlap([r[:3] for r in rows])
-  busy = sum(float(r[5]) for r in rows)
-  instance_s = sum(float(r[6]) for r in rows)
+  busy, instance_s = sum(col["busy_s"]), sum(col["instance_s"])
+  # Wall times: every process starts a round, a consolidation and the end of generation after
+  # the same exchange, so the whole run's span of each is its slowest process's (a mean or
+  # process 0's understates the wait of every other; a sum counts the parallel processes
+  # twice). Each clock starts at its own process's start: the run's starts at the earliest,
+  # where the read-outs are latest (the max of each curve point's time), and generation ends
+  # at the latest gen_end_s; each process's inference after it is measured on its own clock.
+  generate = max(col["gen_end_s"])
+  gen_plus_inf = max(e + (generate - g) for e, g in zip(col["gen_plus_inf_s"], col["gen_end_s"]))
+  curve = [max(float(r[k]) for r in rows) for k in range(len(FIGURES), len(rows[0]))]
   return {
       "fusion/loaded_before_gen_end": loaded,
       "fusion/inference_overlap_frac": overlap,
       # Summed, not the slowest process's: the loads' seconds are already summed over the
       # instances (device-seconds, not a wall time), and another process's instances are more
       # instances, as in one process of 8 devices.
-      "fusion/weight_load_s": sum(float(r[3]) for r in rows),
-      "fusion/weight_load_bytes": sum(int(r[4]) for r in rows),
+      "fusion/weight_load_s": sum(col["load_s"]),
+      "fusion/weight_load_bytes": sum(int(x) for x in col["load_bytes"]),
       # Busy instance-seconds over all instances' seconds, each process's instances over its
       # own gen_plus_inf_s (its own clock from its own start: 1.95 s and 1.59 s in a batch of
       # tests/test_fused_multiprocess.py): the mean of every instance's busy fraction weighted
       # by its span, as one process holding all of them computes it; not a mean of the
       # processes' fractions, which weighs an instance by 1 / its process's instance count.
-      "gen/instance_busy_frac": busy / instance_s if instance_s > 0 else 0.0}
+      "gen/instance_busy_frac": busy / instance_s if instance_s > 0 else 0.0,
+      "gen/migration_s": max(col["migration_s"]),
+      "gen/migration_same_host_s": max(col["migration_same_host_s"]),
+      "gen/migration_cross_host_s": max(col["migration_cross_host_s"]),
+      "gen/migration_cross_host_compile_s": max(col["migration_cross_host_compile_s"]),
+      "timing_s/generate": generate,
+      "timing_s/inference": gen_plus_inf - generate,
+      "timing_s/gen_plus_inf": gen_plus_inf,
+      "timing_s/actor_to_instances": max(col["actor_to_instances_s"]),
+      "gen/unfinished_curve": [[round(t, 5), int(u)] for t, u in zip(curve, unfinished,
+                                                                      strict=True)]}
 
 
 @dataclasses.dataclass
@@ -235,13 +263,23 @@ class Timeline:
     total = sum(self.busy_s(i, ("inference",)) for i in self.watched)
     return (self.loaded_before_gen_end, before, total)
 
-  def process_figures(self, load_bytes: int) -> tuple:
-    """This process's row of the batch-end exchange, of the instances it watched: what
-    `combined_figures` combines over processes. `overlap_figures`, then the weight loads'
-    seconds, the bytes they loaded (`load_bytes`: the loader's count, which the segments do not
-    keep), busy seconds and instance-seconds (watched instances x gen_plus_inf_s)."""
+  def process_figures(self, load_bytes: int, place_s: float) -> tuple:
+    """This process's row of the batch-end exchange, of the instances it watched and by its
+    own clock: what `combined_figures` combines over processes, its columns named by FIGURES.
+    `overlap_figures`, then the weight loads' seconds, the bytes they loaded (`load_bytes`: the
+    loader's count, which the segments do not keep), busy seconds and instance-seconds (watched
+    instances x gen_plus_inf_s), the migrations' spans and waits (`migration_s`,
+    `same_host_migration_s`, the consolidations' cross-host waits and compiles), the ends of
+    generation and of generation+inference, the actor's placement (`place_s`), then the times
+    of `unfinished_curve` (as many on every process: the rounds are the same)."""
+    cons = self.consolidations
     return (*self.overlap_figures, self.kind_s("load"), load_bytes,
-            sum(self.busy_s(i) for i in self.watched), len(self.watched) * self.gen_plus_inf_s)
+            sum(self.busy_s(i) for i in self.watched), len(self.watched) * self.gen_plus_inf_s,
+            self.migration_s, self.same_host_migration_s,
+            sum(c.get("cross_host_s", 0.0) for c in cons),
+            sum(c.get("cross_host_compile_s", 0.0) for c in cons),
+            self.gen_end_s, self.gen_plus_inf_s, place_s,
+            *(t for t, _ in self.unfinished_curve))
 
   def span_s(self, kind: str) -> float:
     """From the first start to the last end of the segments of one kind (0 if none)."""
@@ -269,3 +307,9 @@ class Timeline:
     """Each consolidation's first copy's start to its last copy's end, summed."""
     return self.per_consolidation_span_s(
         [(s, e) for _, s, e, k in self.segments if k == "migrate"])
+
+  @property
+  def same_host_migration_s(self) -> float:
+    """`migration_s` of the copies between two instances of this process (filed under the tag
+    "same_host"; a cross-process move is one collective, timed apart)."""
+    return self.per_consolidation_span_s((self.tagged or {}).get("same_host", []))
