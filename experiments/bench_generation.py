@@ -176,13 +176,16 @@ def check_inputs(c) -> None:
 
 
 def summarize(out: fused_lib.FusedOutput, wall_s: float) -> dict:
-  m, tl = out.metrics, out.timeline
+  m = out.metrics
   cores = os.cpu_count() or 1
-  return {"gen_plus_inf_s": tl.gen_plus_inf_s, "wall_s": wall_s, "gen_s": tl.gen_end_s,
+  # The stage times of every process, as the trainer's timing_s/* (until 2026-12-07 process 0's
+  # timeline's, which ends before a process that scores longer).
+  return {"gen_plus_inf_s": m["timing_s/gen_plus_inf"], "wall_s": wall_s,
+          "gen_s": m["timing_s/generate"],
           # Process CPU seconds (all threads) and their share of wall x cores: how much of the
           # machine the run kept busy (on fake CPU devices, the one place fusion can win).
           "cpu_s": m["cpu_s"], "cpu_util": m["cpu_s"] / (wall_s * cores),
-          "inference_exposed_s": tl.gen_plus_inf_s - tl.gen_end_s,
+          "inference_exposed_s": m["timing_s/inference"],
           # Over every process's instances, as the trainer's gen/instance_busy_frac and
           # fusion/inference_overlap_frac (until 2026-12-07 process 0's alone, as the weight
           # loads below); each process's (loaded before generation ended, inference seconds
@@ -322,7 +325,8 @@ def run(c, workdir: str) -> dict:
       out.metrics["cpu_s"] = cpu  # this process's CPU time, every thread
       runs[mode].append((out, wall))
       logging.info("repeat %d %-8s gen+inf %.3fs (generation %.3fs), migrated %d samples",
-                   r, mode, out.timeline.gen_plus_inf_s, out.timeline.gen_end_s,
+                   r, mode, out.metrics["timing_s/gen_plus_inf"],
+                   out.metrics["timing_s/generate"],
                    out.metrics["gen/migrated_samples"])
   # Every run of both modes against the first baseline run; the worst differences are kept.
   checks = [compare(runs["baseline"][0][0], o) for m in runs for o, _ in runs[m]]
@@ -330,7 +334,7 @@ def run(c, workdir: str) -> dict:
   result = {"identical_outputs": all(ch["identical"] for ch in checks),
             "identity": {"tokens_equal": all(ch["tokens_equal"] for ch in checks),
                          "logprob_atol": LOGPROB_ATOL, **worst}}
-  medians = {mode: _median_run(rs, key=lambda run: run[0].timeline.gen_plus_inf_s)
+  medians = {mode: _median_run(rs, key=lambda run: run[0].metrics["timing_s/gen_plus_inf"])
              for mode, rs in runs.items()}
   # The two figures on one time axis (they are compared side by side; each ended at its own run)
   t_max = max(out.timeline.gen_plus_inf_s for out, _ in medians.values())
@@ -341,7 +345,7 @@ def run(c, workdir: str) -> dict:
   # What the timeline PNGs draw, kept in result.json (redraw: plot_timelines)
   result["timelines"] = {"t_max_s": t_max, "note": note, "panels": {}}
   for mode, rs in runs.items():
-    times = [o.timeline.gen_plus_inf_s for o, _ in rs]
+    times = [o.metrics["timing_s/gen_plus_inf"] for o, _ in rs]
     out, wall = medians[mode]
     result[mode] = summarize(out, wall)
     result[mode]["runs_gen_plus_inf_s"] = times
@@ -351,7 +355,7 @@ def run(c, workdir: str) -> dict:
     plot_timelines(result, workdir)
   result["ratio"] = result["fused"]["gen_plus_inf_s"] / result["baseline"]["gen_plus_inf_s"]
   # Each repeat ran the two modes back to back: their ratio cancels slow drifts of the machine.
-  paired = [f.timeline.gen_plus_inf_s / b.timeline.gen_plus_inf_s
+  paired = [f.metrics["timing_s/gen_plus_inf"] / b.metrics["timing_s/gen_plus_inf"]
             for (b, _), (f, _) in zip(runs["baseline"], runs["fused"])]
   result["ratio_paired"] = {"median": float(np.median(paired)), "runs": paired}
   result["order"] = [list(o) for o in orders]

@@ -251,14 +251,18 @@ def test_bench_generation_summary_derives_exposed_inference_cpu_share_and_same_h
           "fusion/inference_overlap_frac", "gen/instance_busy_frac")
   metrics = {k: float(i) for i, k in enumerate(keys)}
   metrics.update({"cpu_s": 6.0, "gen/migrated_samples": 10, "gen/migrated_samples_cross_host": 3,
-                  "gen/migration_copied_bytes": 1000, "gen/migration_cross_host_bytes": 400})
+                  "gen/migration_copied_bytes": 1000, "gen/migration_cross_host_bytes": 400,
+                  "timing_s/gen_plus_inf": 6.0, "timing_s/generate": 3.75,
+                  "timing_s/inference": 2.25})
+  # The timeline is process 0's own, by its clock: another process scored 0.5 s longer after a
+  # generation that ended 0.25 s later on the earliest process's clock (the metrics).
   timeline = types.SimpleNamespace(gen_plus_inf_s=5.0, gen_end_s=3.5, instance_busy_frac=0.5,
                                    inference_overlap_frac=0.25)
   out = types.SimpleNamespace(metrics=metrics, timeline=timeline, rt=0.2, consolidations=[],
                               overlap_figures=[[1, 0.5, 2.0], [0, 0.0, 1.0]])
   s = bg.summarize(out, wall_s=3.0)
-  assert s["gen_plus_inf_s"] == 5.0 and s["gen_s"] == 3.5 and s["wall_s"] == 3.0
-  assert s["inference_exposed_s"] == 1.5
+  assert s["gen_plus_inf_s"] == 6.0 and s["gen_s"] == 3.75 and s["wall_s"] == 3.0
+  assert s["inference_exposed_s"] == 2.25
   assert s["cpu_util"] == pytest.approx(6.0 / (3.0 * 4))
   assert s["same_host_migrated_samples"] == 7 and s["cross_host_migrated_samples"] == 3
   assert s["same_host_migrated_bytes"] == 600 and s["cross_host_migrated_bytes"] == 400
