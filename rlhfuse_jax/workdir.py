@@ -71,6 +71,20 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
     raise
 
 
+def fsync_directory(path: str) -> None:
+  """fsyncs the directory `path`: the names created, renamed or removed in it are on disk (a
+  file's own fsync covers its data, not its name in the directory). A filesystem that cannot
+  sync a directory (EINVAL: some network and FUSE filesystems) is left as it is."""
+  fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+  try:
+    os.fsync(fd)
+  except OSError as e:
+    if e.errno != errno.EINVAL:
+      raise
+  finally:
+    os.close(fd)
+
+
 def atomic_write_text(path: str, text: str) -> None:
   """Writes `text` (UTF-8) to `path` atomically."""
   atomic_write_bytes(path, text.encode("utf-8"))

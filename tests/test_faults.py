@@ -1422,6 +1422,69 @@ def test_a_full_disk_at_the_hf_export_says_the_finished_run_is_kept(tmp_path, mo
   assert [r["step"] for r in wd.read_jsonl(os.path.join(run, "metrics.jsonl"))] == [1, 2]
 
 
+def _hf_export_inputs(tmp_path):
+  """(cfg, tokenizer, params) of an export that reads and writes every kind of file an export
+  has: tiny_llama's weights (its generation_config.json and config.json read from it), a copy
+  of ChatML's tokenizer directory as init.tokenizer (tokenizer_config.json with a template,
+  chat_template.jinja, generation_config.json) and a chat template given by path
+  (data.chat_template, written over the copied one and into tokenizer_config.json)."""
+  from rlhfuse_jax.data.tokenizer import HFTokenizer
+  llama_dir, chat = os.path.join(FIXTURES, "tiny_llama"), os.path.join(FIXTURES, "tiny_chat")
+  tok_dir = tmp_path / "tok"
+  shutil.copytree(os.path.join(chat, "chatml"), tok_dir)
+  (tok_dir / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+  (tok_dir / "generation_config.json").write_text('{"eos_token_id": 1}')
+  template = str(tmp_path / "inst.jinja")
+  shutil.copyfile(os.path.join(chat, "inst", "chat_template.jinja"), template)
+  cfg = tiny_config(**{"init.actor_checkpoint": llama_dir, "checkpoint.export_hf": "llama",
+                       "init.tokenizer": os.path.join(llama_dir, "tokenizer.json")})
+  cfg = build.resolve_config(cfg, HFTokenizer.from_file(llama_dir))
+  cfg = dataclasses.replace(
+      cfg, init=dataclasses.replace(cfg.init, tokenizer=str(tok_dir / "tokenizer.json")),
+      data=dataclasses.replace(cfg.data, chat_template=template))
+  return (cfg, HFTokenizer.from_file(str(tok_dir / "tokenizer.json")),
+          hf_loader.load_hf_params(llama_dir, cfg.model))
+
+
+def test_every_file_of_an_hf_export_is_on_disk_before_its_rename(tmp_path, monkeypatch):
+  """The export's small files (its marker, the tokenizer's, config.json's rewrites) were
+  written unsynced and the directory renamed into place: a power loss soon after could leave
+  a complete-looking export (its marker there) of empty files. Now each file is fsynced as it
+  ends up (no write after its fsync), the directory too before its rename, and the parent
+  after it."""
+  from rlhfuse_jax.trainer import hf_export
+  cfg, tok, params = _hf_export_inputs(tmp_path)
+  out = str(tmp_path / "export")
+  writing = hf_export.export_work_dirs(out)[0]
+  events, real_fsync, real_replace = [], os.fsync, os.replace
+
+  def fsync(fd):
+    st = os.fstat(fd)
+    events.append(("fsync", st.st_ino, st.st_size, st.st_mtime_ns))
+    real_fsync(fd)
+
+  def replace(src, dst):
+    events.append(("replace", str(src), str(dst)))
+    real_replace(src, dst)
+  monkeypatch.setattr(os, "fsync", fsync)
+  monkeypatch.setattr(os, "replace", replace)
+  hf_export.export_hf(params, cfg, out, 2, tok, str(tmp_path))
+  monkeypatch.undo()
+  renamed = events.index(("replace", writing, out))
+  before = set(events[:renamed])
+  files = sorted(os.listdir(out))
+  assert files == ["chat_template.jinja", "config.json", "generation_config.json",
+                   "model.safetensors", hf_export.EXPORT_MARKER, "tokenizer.json",
+                   "tokenizer_config.json"]
+  for name in files + [""]:  # (and the directory itself, its entries as they are)
+    st = os.stat(os.path.join(out, name))
+    assert ("fsync", st.st_ino, st.st_size, st.st_mtime_ns) in before, name
+  parent = os.stat(tmp_path).st_ino
+  assert [e for e in events[renamed:] if e[:2] == ("fsync", parent)], events[renamed:]
+  assert (tmp_path / "export" / "chat_template.jinja").read_text() == (
+      tmp_path / "inst.jinja").read_text()  # (written over the copied one)
+
+
 def _env_with_sitecustomize(tmp_path, text: str) -> dict:
   """_env() with `text` as a sitecustomize every Python process it starts runs first (the
   faults a binary meets in its own writes)."""

@@ -250,3 +250,28 @@ def test_write_json_keeps_a_list_of_numbers_on_one_line(tmp_path):
   wd.write_json(str(path), {"reward": curve})
   assert len(path.read_text().splitlines()) == 3
   assert json.loads(path.read_text())["reward"] == curve.tolist()
+
+
+def test_fsync_directory_syncs_it_and_passes_a_filesystem_that_cannot(tmp_path, monkeypatch):
+  """fsync_directory fsyncs the directory itself (the names in it: the HF export's rename);
+  a filesystem that refuses to sync a directory (EINVAL) is passed over, any other error is
+  raised and the descriptor closed either way."""
+  import errno
+  synced, opened, fail = [], [], []
+  real_open, real_close = os.open, os.close
+
+  def fsync(fd):
+    synced.append(os.fstat(fd).st_ino)
+    if fail:
+      raise OSError(fail[0], os.strerror(fail[0]))
+  monkeypatch.setattr(os, "fsync", fsync)
+  monkeypatch.setattr(os, "open", lambda *a: opened.append(real_open(*a)) or opened[-1])
+  monkeypatch.setattr(os, "close", lambda fd: opened.remove(fd) or real_close(fd))
+  wd.fsync_directory(str(tmp_path))
+  assert synced == [os.stat(tmp_path).st_ino] and opened == []
+  fail.append(errno.EINVAL)
+  wd.fsync_directory(str(tmp_path))
+  fail[0] = errno.EIO
+  with pytest.raises(OSError, match=r"\[Errno 5\]"):
+    wd.fsync_directory(str(tmp_path))
+  assert len(synced) == 3 and opened == []

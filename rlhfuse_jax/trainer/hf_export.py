@@ -1,9 +1,11 @@
 """The Hugging Face export of a run's actor (checkpoint.export_hf, and experiments/export_hf.py
 through trainer/export.py), or of its critic (export_hf --model=critic): the weights written as
 a HF checkpoint with the run's tokenizer files, chat template and special ids, marked with the
-iteration, run and model it holds, and renamed into place whole (docs/own_model.md). A critic
-is written as a *ForSequenceClassification (hf_loader.save_hf_checkpoint: `score.weight`, and
-`score.bias` when its value bias is not zero, which transformers ignores).
+iteration, run and model it holds, and renamed into place whole (docs/own_model.md), each of
+its files fsynced before the rename and the rename after it: a power loss right after leaves
+the old export or the whole new one, not one of empty files. A critic is written as a
+*ForSequenceClassification (hf_loader.save_hf_checkpoint: `score.weight`, and `score.bias`
+when its value bias is not zero, which transformers ignores).
 """
 from __future__ import annotations
 
@@ -83,6 +85,18 @@ def check_family(cfg: TrainConfig, model: str = "actor") -> None:
   hf_loader.hf_config_dict(model_config(cfg, model), family=export_family(cfg, model))
 
 
+def _read_input(path: str) -> bytes:
+  """The bytes of `path`, a file of the run's inputs."""
+  with open(path, "rb") as f:
+    return f.read()
+
+
+def _write_json(path: str, obj: Any, **kwargs) -> None:
+  """`obj` as json.dump writes it (indent=2, `kwargs`), whole and fsynced (before the export's
+  rename: a power loss after it left no empty file in a renamed export)."""
+  wd.atomic_write_text(path, json.dumps(obj, indent=2, **kwargs))
+
+
 def _copy_tokenizer(cfg: TrainConfig, tokenizer: Optional[Tokenizer], out: str) -> None:
   """The tokenizer the run read, as tokenizer.json, with the files beside it that it read too
   (tokenizer_config.json, special_tokens_map.json, chat_template.jinja); then a chat template
@@ -91,30 +105,26 @@ def _copy_tokenizer(cfg: TrainConfig, tokenizer: Optional[Tokenizer], out: str) 
   tok = cfg.init.tokenizer
   if tok:
     path = tokenizer_lib.tokenizer_file(tok)
-    shutil.copyfile(path, os.path.join(out, "tokenizer.json"))
+    wd.atomic_write_bytes(os.path.join(out, "tokenizer.json"), _read_input(path))
     for name in TOKENIZER_FILES:
       src = os.path.join(os.path.dirname(path), name)
       if name != "tokenizer.json" and os.path.isfile(src):
-        shutil.copyfile(src, os.path.join(out, name))
-    # The template as the run read it: without the byte-order mark chat.py drops, which
-    # transformers would render before every prompt of the export.
-    copied = os.path.join(out, chat_lib.TEMPLATE_FILE)
-    if os.path.isfile(copied):
-      with open(copied, "rb") as f:
-        data = f.read()
-      bom = chat_lib.BOM.encode("utf-8")
-      if data.startswith(bom):
-        with open(copied, "wb") as f:
-          f.write(data[len(bom):])
+        data = _read_input(src)
+        # The template as the run read it: without the byte-order mark chat.py drops, which
+        # transformers would render before every prompt of the export.
+        bom = chat_lib.BOM.encode("utf-8")
+        if name == chat_lib.TEMPLATE_FILE and data.startswith(bom):
+          data = data[len(bom):]
+        wd.atomic_write_bytes(os.path.join(out, name), data)
   elif isinstance(tokenizer, HFTokenizer):
-    tokenizer.backend.save(os.path.join(out, "tokenizer.json"))
+    wd.atomic_write_text(os.path.join(out, "tokenizer.json"),
+                         tokenizer.backend.to_str(pretty=True))  # (what its save() writes)
   if isinstance(tokenizer, HFTokenizer) and not os.path.isfile(
       os.path.join(out, chat_lib.CONFIG_FILE)):
     _write_tokenizer_config(tokenizer, out)
   if cfg.data.chat_template not in ("none", "auto"):
     template = chat_lib.ChatTemplate.load(cfg.data.chat_template, tok)
-    with open(os.path.join(out, chat_lib.TEMPLATE_FILE), "w", encoding="utf-8") as f:
-      f.write(template.source)
+    wd.atomic_write_text(os.path.join(out, chat_lib.TEMPLATE_FILE), template.source)
     # The copied tokenizer_config.json's own template (the source model's) would disagree with
     # it for readers of that file alone (transformers before chat_template.jinja, other tools).
     config_path = os.path.join(out, "tokenizer_config.json")
@@ -123,8 +133,7 @@ def _copy_tokenizer(cfg: TrainConfig, tokenizer: Optional[Tokenizer], out: str) 
         config = json.load(f)
       if "chat_template" in config:
         config["chat_template"] = template.source
-        with open(config_path, "w", encoding="utf-8") as f:
-          json.dump(config, f, indent=2, ensure_ascii=False)
+        _write_json(config_path, config, ensure_ascii=False)
 
 
 def _write_tokenizer_config(tokenizer: HFTokenizer, out: str) -> None:
@@ -137,15 +146,14 @@ def _write_tokenizer_config(tokenizer: HFTokenizer, out: str) -> None:
   name = lambda i: None if i is None else tokenizer.id_to_token(int(i))
   config = {"bos_token": name(tokenizer.bos_id), "eos_token": name(tokenizer.eos_id),
             "pad_token": name(tokenizer.pad_id), "add_bos_token": tokenizer.add_bos}
-  with open(os.path.join(out, chat_lib.CONFIG_FILE), "w", encoding="utf-8") as f:
-    json.dump(config, f, indent=2, ensure_ascii=False)
+  _write_json(os.path.join(out, chat_lib.CONFIG_FILE), config, ensure_ascii=False)
   path = os.path.join(out, "tokenizer.json")
   if tokenizer.add_bos and tokenizer_lib.post_processor_adds(path, config["bos_token"]) is None:
     backend = tokenizers.Tokenizer.from_file(path)
     bos = config["bos_token"]
     backend.post_processor = tokenizers.processors.TemplateProcessing(
         single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.bos_id)])
-    backend.save(path)
+    wd.atomic_write_text(path, backend.to_str(pretty=True))
 
 
 def _names_ids(eos: Any, stops: list) -> bool:
@@ -181,16 +189,14 @@ def _write_generation_eos(tokenizer: Optional[Tokenizer], out: str) -> None:
                     "%s: written as the run's (transformers' generate() stops on it)",
                     tokenizer_lib.GENERATION_CONFIG, eos, stops)
     config["eos_token_id"] = stops if len(stops) > 1 else stops[0]
-    with open(path, "w", encoding="utf-8") as f:
-      json.dump(config, f, indent=2)
+    _write_json(path, config)
     return
   with open(os.path.join(out, "config.json")) as f:
     eos = json.load(f).get("eos_token_id")
   if _names_ids(eos, stops):
     return
-  with open(path, "w") as f:
-    json.dump({"bos_token_id": tokenizer.bos_id, "eos_token_id": stops,
-               "pad_token_id": tokenizer.pad_id}, f, indent=2)
+  _write_json(path, {"bos_token_id": tokenizer.bos_id, "eos_token_id": stops,
+                     "pad_token_id": tokenizer.pad_id})
 
 
 def _fill_special_ids(tokenizer: Optional[Tokenizer], config_path: str) -> None:
@@ -207,23 +213,20 @@ def _fill_special_ids(tokenizer: Optional[Tokenizer], config_path: str) -> None:
                      ("pad_token_id", tokenizer.pad_id)):
     if out.get(key) is None:  # null, not absent, for no BOS: absent reads as LlamaConfig's 1
       out[key] = None if value is None else value if isinstance(value, list) else int(value)
-  with open(config_path, "w") as f:
-    json.dump(out, f, indent=2)
+  _write_json(config_path, out)
 
 
 def _keep_source_context(source_dir: str, config_path: str) -> None:
   src = os.path.join(source_dir, "config.json") if source_dir else ""
   if not src or not os.path.isfile(src):
     return
-  with open(src) as f:
-    source = json.load(f)
+  source = json.loads(_read_input(src))
   with open(config_path) as f:
     out = json.load(f)
   for k in SOURCE_CONTEXT_FIELDS:
     if k in source:
       out[k] = source[k]
-  with open(config_path, "w") as f:
-    json.dump(out, f, indent=2)
+  _write_json(config_path, out)
 
 
 # Inside an export: the iteration, run and model ("actor", or "critic"; a marker without one is
@@ -324,6 +327,7 @@ def export_hf(params: Any, cfg: TrainConfig, out_dir: str, step: Optional[int] =
   shutil.rmtree(tmp, ignore_errors=True)
   try:
     _write_export(params, cfg, tmp, step, tokenizer, run, model, family)
+    wd.fsync_directory(tmp)  # its files' names, before it is renamed into place (each file is)
   except BaseException:  # (a full disk: its space back, no half an export left beside out_dir)
     shutil.rmtree(tmp, ignore_errors=True)
     raise
@@ -335,6 +339,7 @@ def export_hf(params: Any, cfg: TrainConfig, out_dir: str, step: Optional[int] =
   if os.path.exists(out_dir):
     os.replace(out_dir, old)
   os.replace(tmp, out_dir)
+  wd.fsync_directory(os.path.dirname(os.path.abspath(out_dir)))  # the rename itself
   shutil.rmtree(old, ignore_errors=True)
   return _resolved_family(cfg, model)
 
@@ -355,14 +360,13 @@ def _write_export(params: Any, cfg: TrainConfig, tmp: str, step: Optional[int],
           "*ForSequenceClassification has no bias in its score layer and ignores it, so its "
           "values (logits) are the critic's minus %.6g: add it back", bias, bias)
   if step is not None:
-    with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
-      json.dump(marker, f)
+    wd.atomic_write_text(os.path.join(tmp, EXPORT_MARKER), json.dumps(marker))
   _copy_tokenizer(cfg, tokenizer, tmp)
   source = source_checkpoint(cfg, model)
   if source:  # its generation config, and its config.json's special ids
     for name in CHECKPOINT_FILES:
       if os.path.isfile(os.path.join(source, name)):
-        shutil.copyfile(os.path.join(source, name), os.path.join(tmp, name))
+        wd.atomic_write_bytes(os.path.join(tmp, name), _read_input(os.path.join(source, name)))
     _keep_source_context(source, os.path.join(tmp, "config.json"))
   # (after the source's: a checkpoint saved with null ids, as transformers writes Qwen3's, kept
   # them, and generate() ran past the run's EOS)
