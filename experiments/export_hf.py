@@ -31,7 +31,8 @@ replaced.
 
 A run still training in the workdir holds its lock: the export is refused. A write that fails
 (a full disk) exits 3, as train_ppo's failed save or export does, in one line naming the export;
-nothing of it is left and the run is untouched.
+nothing of it is left and the run is untouched. A file the export copies from the run's inputs
+that is gone since (its tokenizer) exits 1, naming the file and its config field.
 Single-process (no --distributed).
 
 Docs: docs/usage.md ("Real checkpoints and tokenizers"), docs/own_model.md.

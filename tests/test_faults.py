@@ -1377,12 +1377,16 @@ def _full_disk_under(monkeypatch, directory: str, name: str = "") -> None:
   monkeypatch.setattr(os, "fsync", fsync)
 
 
+# What a 2-iteration run stopped after its last checkpoint says it keeps, after the error.
+_FINISHED_2_KEPT = ("; the run is finished and nothing of it is lost: checkpoint 2 and the "
+                    "metrics through it are intact, and the same command, re-run once the cause "
+                    "is fixed, trains nothing and writes result.json and the HF export (where "
+                    "asked) again")
+
+
 def _finished_run_write_failed(path: str) -> str:
   """The SaveError of a full disk at `path` after a 2-iteration run's last checkpoint."""
-  return (f"writing {path} failed: OSError: [Errno 28] No space left on device; the run is "
-          "finished and nothing of it is lost: checkpoint 2 and the metrics through it are "
-          "intact, and the same command, re-run once the cause is fixed, trains nothing and "
-          "writes result.json and the HF export (where asked) again")
+  return f"writing {path} failed: OSError: [Errno 28] No space left on device{_FINISHED_2_KEPT}"
 
 
 def test_a_full_disk_at_the_start_s_config_json_stops_the_run_as_a_failed_save_does(
@@ -1444,6 +1448,42 @@ def _hf_export_inputs(tmp_path):
       data=dataclasses.replace(cfg.data, chat_template=template))
   return (cfg, HFTokenizer.from_file(str(tok_dir / "tokenizer.json")),
           hf_loader.load_hf_params(llama_dir, cfg.model))
+
+
+def test_an_input_gone_before_the_hf_export_is_named_as_a_read_not_a_failed_write(
+    tmp_path, monkeypatch):
+  """The run's tokenizer.json deleted before the export copies it (a run reads it at its start,
+  hours before): the export said "writing .../tok/tokenizer.json failed: FileNotFoundError"
+  (train_ppo and export_hf: exit 3, a full disk's status), a write of a file it only reads.
+  Now an ExportInputError (a ValueError: exit 1, one line) saying it read the file, which
+  field names it and to put it back; nothing of the export is left. A full disk at the same
+  file's copy is still a failed write (exit 3)."""
+  from experiments import config_files
+  from rlhfuse_jax.trainer import hf_export
+  cfg, tok, params = _hf_export_inputs(tmp_path)
+  run = str(tmp_path / "run")
+  os.makedirs(run)
+  source = cfg.init.tokenizer
+  os.rename(source, source + ".aside")
+  with pytest.raises(hf_export.ExportInputError) as e:
+    hf_export.HFExport(run, cfg, lambda: params, tok).export(2)
+  assert str(e.value) == (
+      f"reading {source} failed: FileNotFoundError: [Errno 2] No such file or directory; it is "
+      "the tokenizer config.init.tokenizer names, which the run read and its HF export copies: "
+      "put it back (nothing of the export is left)")
+  assert config_files.user_error(e.value) and not isinstance(e.value, checkpointing.SaveError)
+  assert os.listdir(run) == [] and sorted(os.listdir(tmp_path)) == ["inst.jinja", "run", "tok"]
+  os.rename(source + ".aside", source)
+  writing = hf_export.export_work_dirs(os.path.join(run, "hf_export"))[0]
+  with monkeypatch.context() as m:
+    _full_disk_under(m, writing, "tokenizer.json")
+    with pytest.raises(hooks.LogWriteError) as e:
+      hf_export.HFExport(run, cfg, lambda: params, tok).export(2)
+  assert str(e.value) == (f"writing {writing}/tokenizer.json failed: OSError: [Errno 28] No "
+                          "space left on device")
+  assert os.listdir(run) == []
+  hf_export.HFExport(run, cfg, lambda: params, tok).export(2)
+  assert hf_export.exported_step(os.path.join(run, "hf_export")) == 2
 
 
 def test_every_file_of_an_hf_export_is_on_disk_before_its_rename(tmp_path, monkeypatch):
@@ -1575,6 +1615,30 @@ def test_a_full_disk_at_a_finished_run_s_re_run_stops_it_as_a_failed_save_does(
   assert not [n for n in os.listdir(run) if n.startswith(wd.TMP_PREFIX)]
   assert PPOTrainer(cfg, run).run() == []
   assert [r["step"] for r in wd.read_jsonl(path)] == [1, 2]
+
+
+def test_an_input_gone_at_a_finished_run_s_hf_export_says_the_run_is_kept(tmp_path, finished_2,
+                                                                          monkeypatch):
+  """A file the run's HF export reads that is gone (test_an_input_gone_before_the_hf_export_...)
+  at the run's end, or at the re-run that writes its export: the error says, as a failed
+  write's does, that the finished run lost nothing and what the same command does once the
+  file is back."""
+  from rlhfuse_jax.trainer import hf_export
+  cfg, workdir = finished_2
+  run = str(tmp_path / "run")
+  shutil.copytree(workdir, run)
+  cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint,
+                                                                export_hf="auto"))
+  gone = str(tmp_path / "tok" / "tokenizer.json")
+  monkeypatch.setattr(hf_export, "_copy_tokenizer", lambda c, t, out: hf_export._read_input(
+      gone, "the tokenizer config.init.tokenizer names"))
+  with pytest.raises(hf_export.ExportInputError) as e:
+    PPOTrainer(cfg, run).run()
+  assert str(e.value) == (
+      f"reading {gone} failed: FileNotFoundError: [Errno 2] No such file or directory; it is the "
+      "tokenizer config.init.tokenizer names, which the run read and its HF export copies: put "
+      f"it back (nothing of the export is left){_FINISHED_2_KEPT}")
+  assert not os.path.exists(os.path.join(run, "hf_export"))
 
 
 def test_a_schedule_cache_that_cannot_be_written_is_said_and_the_run_goes_on(

@@ -85,10 +85,24 @@ def check_family(cfg: TrainConfig, model: str = "actor") -> None:
   hf_loader.hf_config_dict(model_config(cfg, model), family=export_family(cfg, model))
 
 
-def _read_input(path: str) -> bytes:
-  """The bytes of `path`, a file of the run's inputs."""
-  with open(path, "rb") as f:
-    return f.read()
+class ExportInputError(ValueError):
+  """A file of the run's inputs that the HF export copies or reads (init.tokenizer's
+  tokenizer.json and the files beside it, the source checkpoint's generation_config.json and
+  config.json) could not be read: moved or deleted since the run read it. Not a failed write of
+  the export (hooks.writing: LogWriteError, exit 3, "writing ... failed", which named the
+  missing tokenizer as if the export wrote it): a file to put back (exit 1, one line)."""
+
+
+def _read_input(path: str, what: str) -> bytes:
+  """The bytes of `path`, the run's input `what` (which config field names it); an OSError
+  reading it as ExportInputError naming both."""
+  try:
+    with open(path, "rb") as f:
+      return f.read()
+  except OSError as e:
+    raise ExportInputError(
+        f"reading {e.filename or path} failed: {wd.os_error_text(e)}; it is {what}, which the "
+        "run read and its HF export copies: put it back (nothing of the export is left)") from e
 
 
 def _write_json(path: str, obj: Any, **kwargs) -> None:
@@ -105,11 +119,12 @@ def _copy_tokenizer(cfg: TrainConfig, tokenizer: Optional[Tokenizer], out: str) 
   tok = cfg.init.tokenizer
   if tok:
     path = tokenizer_lib.tokenizer_file(tok)
-    wd.atomic_write_bytes(os.path.join(out, "tokenizer.json"), _read_input(path))
+    wd.atomic_write_bytes(os.path.join(out, "tokenizer.json"), _read_input(
+        path, "the tokenizer config.init.tokenizer names"))
     for name in TOKENIZER_FILES:
       src = os.path.join(os.path.dirname(path), name)
       if name != "tokenizer.json" and os.path.isfile(src):
-        data = _read_input(src)
+        data = _read_input(src, "a file beside the tokenizer config.init.tokenizer names")
         # The template as the run read it: without the byte-order mark chat.py drops, which
         # transformers would render before every prompt of the export.
         bom = chat_lib.BOM.encode("utf-8")
@@ -216,11 +231,11 @@ def _fill_special_ids(tokenizer: Optional[Tokenizer], config_path: str) -> None:
   _write_json(config_path, out)
 
 
-def _keep_source_context(source_dir: str, config_path: str) -> None:
+def _keep_source_context(source_dir: str, config_path: str, what: str) -> None:
   src = os.path.join(source_dir, "config.json") if source_dir else ""
   if not src or not os.path.isfile(src):
     return
-  source = json.loads(_read_input(src))
+  source = json.loads(_read_input(src, what))
   with open(config_path) as f:
     out = json.load(f)
   for k in SOURCE_CONTEXT_FIELDS:
@@ -364,10 +379,12 @@ def _write_export(params: Any, cfg: TrainConfig, tmp: str, step: Optional[int],
   _copy_tokenizer(cfg, tokenizer, tmp)
   source = source_checkpoint(cfg, model)
   if source:  # its generation config, and its config.json's special ids
+    what = f"a file of the checkpoint config.init.{model}_checkpoint names"
     for name in CHECKPOINT_FILES:
       if os.path.isfile(os.path.join(source, name)):
-        wd.atomic_write_bytes(os.path.join(tmp, name), _read_input(os.path.join(source, name)))
-    _keep_source_context(source, os.path.join(tmp, "config.json"))
+        wd.atomic_write_bytes(os.path.join(tmp, name),
+                              _read_input(os.path.join(source, name), what))
+    _keep_source_context(source, os.path.join(tmp, "config.json"), what)
   # (after the source's: a checkpoint saved with null ids, as transformers writes Qwen3's, kept
   # them, and generate() ran past the run's EOS)
   _fill_special_ids(tokenizer, os.path.join(tmp, "config.json"))

@@ -300,7 +300,8 @@ class LogWriteError(checkpointing.SaveError):
 @contextlib.contextmanager
 def writing(path: str):
   """Re-raises an OSError of a write of the run's records as LogWriteError naming the file
-  (`path` where the error names none: TensorBoard's writes, an fsync)."""
+  (`path` where the error names none: TensorBoard's writes, an fsync). A read of an input
+  within is the caller's to name as one (hf_export.ExportInputError), not a failed write."""
   try:
     yield
   except OSError as e:

@@ -1402,6 +1402,8 @@ class PPOTrainer:
                             if isinstance(e, hooks.LogWriteError)
                             else "the checkpoint save in progress failed")
         e.args = (f"{moved}. ({e})",) if moved else (f"{e}{self.kept_after_failed_write()}",)
+      elif isinstance(e, hf_export.ExportInputError):  # (the run's tokenizer gone since)
+        e.args = (f"{e}{self.kept_after_failed_write()}",)
       self.release_lock()
       raise
     if not keep_lock:
