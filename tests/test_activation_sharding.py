@@ -27,16 +27,18 @@ def _mesh(n):
   return mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1, fsdp=n), jax.devices()[:n])
 
 
-def _cost(mesh, rules):
-  shapes = llama.param_shapes(CFG)
-  shardings = mesh_lib.param_shardings(shapes, llama.logical_specs(CFG), mesh)
+def _cost(mesh, rules, cfg=CFG):
+  shapes = llama.param_shapes(cfg)
+  shardings = mesh_lib.param_shardings(shapes, llama.logical_specs(cfg), mesh)
   n = mesh.devices.size
-  return scale_check.grad_step_cost(CFG, mesh, shardings, mesh_lib.batch_sharding(mesh, 2), n,
+  return scale_check.grad_step_cost(cfg, mesh, shardings, mesh_lib.batch_sharding(mesh, 2), n,
                                     LEN, rules)
 
 
 def test_fsdp_gradient_step_splits_the_work():
-  one = _cost(_mesh(1), None)["flops"]  # one sequence on one device: the per-device share
+  # With the constraints, unrolled layers split over fsdp are rematerialised whatever cfg.remat
+  # says (llama.Transformer._gathered_layers): the one-device share recomputes them too.
+  one = _cost(_mesh(1), None, CFG.replace(remat="full"))["flops"]
   mesh = _mesh(8)
   unconstrained = _cost(mesh, None)["flops"] / one
   constrained = _cost(mesh, mesh_lib.LOGICAL_RULES)["flops"] / one
@@ -69,8 +71,11 @@ def test_constraint_is_a_no_op_where_it_cannot_apply():
 
 
 # The plain update's gradient accumulation (algo.microbatch_size) on data 2 x fsdp 2 x tensor 2.
+# remat "full": the unrolled layers split over fsdp are rematerialised whatever the policy, but
+# not under gradient_sync="once" (no activation constraints there): the same FLOPs both ways.
 PPO_ACTOR = llama.ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                              num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=128)
+                              num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=128,
+                              remat="full")
 PPO_B, PPO_P, PPO_T = 16, 64, 64  # 4 rows per batch shard
 
 
@@ -333,3 +338,113 @@ def test_tied_layers_score_as_the_single_device_forward():
       jax.device_put(lens, mesh_lib.batch_sharding(mesh, 1)), 8, mesh=mesh)
   alone = scoring.response_logprobs(WIDE, host, tokens, lens, 8)
   np.testing.assert_allclose(np.asarray(on_mesh), np.asarray(alone), rtol=1e-5, atol=1e-5)
+
+
+# The update of unrolled layers split over fsdp=8 (llama.Transformer._gathered_layers).
+NARROW = llama.ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=512, num_layers=4,
+                           num_heads=4, num_kv_heads=4, max_seq_len=64, dtype="float32")
+
+
+def _update_parts(cfg, mesh, abstract, tx=None, host=None, seed=0):
+  """(update, actor state, mini-batch) of the actor alone with `tx` (the trainer's AdamW by
+  default) on `mesh`, from the `host` parameters (seeded ones by default): 8 rows of 16 + 16
+  tokens."""
+  from experiments import plan_programs
+  from rlhfuse_jax.rl import optim
+  from rlhfuse_jax.trainer import ppo
+  from rlhfuse_jax.trainer import update as update_lib
+  from rlhfuse_jax.trainer.config import AlgoConfig
+  tx = tx or optim.make_optimizer(1e-2, 0, 10)
+  update = ppo.make_update_fn(cfg, cfg.replace(head="scalar"), AlgoConfig(entropy_coef=0.01),
+                              1.0, tx, None, mesh=mesh)
+  if abstract:
+    params = plan_programs.abstract_params(cfg, mesh)
+    state = ppo.ModelState(params, plan_programs.abstract_opt_state(tx, params, mesh))
+  else:
+    host = llama.host_random_params(cfg, seed, std=0.05) if host is None else host
+    params = mesh_lib.shard_params(host, llama.logical_specs(cfg), mesh)
+    state = ppo.ModelState(params, update_lib.init_optimizer_state(tx, params, mesh))
+  b, p, t = 8, 16, 16
+  rng = np.random.default_rng(seed)
+  fields = {"tokens": rng.integers(0, cfg.vocab_size, (b, p + t)).astype(np.int32),
+            "prompt_lens": rng.integers(1, p + 1, (b,)).astype(np.int32),
+            "mask": (np.arange(t)[None] < rng.integers(1, t + 1, (b, 1))).astype(np.float32)}
+  for k in ("old_logp", "ref_logp", "advantages", "returns", "old_values"):
+    fields[k] = rng.normal(-1.0 if "logp" in k else 0.0, 0.3, (b, t)).astype(np.float32)
+  batch = {}
+  for k, x in fields.items():
+    sharding = mesh_lib.batch_sharding(mesh, x.ndim)
+    batch[k] = (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) if abstract
+                else jax.device_put(x, sharding))
+  return update, state, batch
+
+
+def _update_temp(cfg):
+  update, state, batch = _update_parts(cfg, _mesh(8), abstract=True)
+  return update.lower(state, None, batch).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_unrolled_update_keeps_no_gathered_layer_from_forward_to_backward():
+  """The actor's update (ppo.make_update_fn compiled from shapes, fsdp=8) of unrolled layers
+  gathers each layer again in the backward and reduce-scatters its gradient: its temp grows by
+  well under a gathered layer per layer and stays near the scanned update's, for both remat
+  policies. (Before, every gathered layer and its whole all-reduced gradient stayed live to
+  the end: 4.7 -> 8.9 MB (full) and 3.8 -> 7.0 MB (none) from 2 to 4 layers of 1.05 MB,
+  scanned 2.9 MB; docs/results.md "Unrolled layers in the scoring forwards".)"""
+  layer = sum(x.size * x.dtype.itemsize
+              for x in jax.tree.leaves(llama.param_shapes(NARROW)["layers_0"]))
+  scanned = _update_temp(NARROW.replace(scan_layers=True, remat="full"))
+  two, four = (_update_temp(NARROW.replace(num_layers=n, remat="full")) for n in (2, 4))
+  assert (four - two) / 2 < 0.5 * layer, (two, four, layer)
+  for remat, temp in (("full", four), ("none", _update_temp(NARROW.replace(remat="none")))):
+    assert temp < 1.5 * scanned, (remat, temp, scanned)
+
+
+def _run_update(cfg, mesh, tx=None, host=None):
+  """(actor state, metrics) after one update of the seeded actor and batch, as host arrays."""
+  update, state, batch = _update_parts(cfg, mesh, False, tx, host)
+  actor, _, metrics = update(state, None, batch)
+  return jax.tree.map(np.asarray, (actor, metrics))
+
+
+@pytest.mark.parametrize("shape", [dict(fsdp=8), dict(data=2, fsdp=2, tensor=2)])
+def test_gathered_layers_update_as_the_plain_unrolled_and_scanned_layers(shape, monkeypatch):
+  """The update of unrolled layers gathered one at a time (Transformer._gathered_layers) moves
+  the parameters and the optimizer state, with the same metrics, as the plain unrolled forward
+  did (it now runs where weights are split over a batch axis), and on fsdp 8 as the scanned
+  layers do (plain SGD there: Adam's first step moves a parameter by the learning rate whatever
+  the size of its gradient, so a rounding-level change of a tiny one would move it by lr)."""
+  import optax
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(**shape), jax.devices()[:8])
+  cfg = NARROW.replace(num_layers=2)
+  gathered = _run_update(cfg, mesh)
+  with monkeypatch.context() as m:
+    m.setattr(llama, "_batch_split_axes", lambda *_: ())  # the path before
+    plain = _run_update(cfg, mesh)
+  (actor, metrics), (p_actor, p_metrics) = gathered, plain
+  for got, want in zip(jax.tree.leaves((actor.opt_state, metrics)),
+                       jax.tree.leaves((p_actor.opt_state, p_metrics))):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  # Not bitwise: the gradients are reduce-scattered, not all-reduced, in another order. AdamW's
+  # first step moves each parameter by about lr = 1e-2 whatever its gradient's size, so a
+  # rounding-level change of a tiny gradient moves it by more than that change (measured 9e-7 on
+  # fsdp 8, 9e-6 on data x fsdp x tensor), a wrong gradient by lr.
+  for got, want in zip(jax.tree.leaves(actor.params), jax.tree.leaves(p_actor.params)):
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+  if shape != dict(fsdp=8):
+    return
+  host = llama.host_random_params(cfg, 0, std=0.05)
+  before = jax.tree.leaves(host)
+  (actor, metrics), (stacked, s_metrics) = (
+      _run_update(cfg, mesh, optax.sgd(100.0), host),
+      _run_update(cfg.replace(scan_layers=True), mesh, optax.sgd(100.0),
+                  llama.stack_layers(host, cfg.num_layers)))
+  scanned = jax.tree.leaves(llama.unstack_layers(stacked.params))
+  largest = 0.0
+  for got, want, b in zip(jax.tree.leaves(actor.params), scanned, before):
+    step = want - b
+    largest = max(largest, float(np.max(np.abs(step))))
+    np.testing.assert_allclose(got - b, step, rtol=1e-4, atol=1e-3 * np.max(np.abs(step)))
+  assert largest > 1e-2  # the gradients are not vanishing
+  for k in metrics:
+    np.testing.assert_allclose(metrics[k], s_metrics[k], rtol=1e-5, atol=1e-6, err_msg=k)

@@ -261,9 +261,13 @@ def shard_activations(mesh: Optional[jax.sharding.Mesh], rules: Mapping[str, Any
   (the pipeline executor) the axes are manual and a constraint would be rejected, so the
   default, no context, leaves the model as it was; so does mesh=None (a caller without a mesh).
 
-  `forward_only` (the scoring forwards, inference/): unrolled layers gather their weights one
-  after another (`after_input`). Not for a differentiated forward: its backward keeps every
-  layer's gathered weights anyway, and the tied copies of the shards would be kept beside them.
+  Unrolled layers whose weights are split over a batch axis gather them one layer at a time.
+  `forward_only` (the scoring forwards, inference/): each layer's shards are tied to the
+  previous layer's input (`after_input`). Otherwise (the update's differentiated forward) each
+  layer runs through `Transformer._gathered_layers`: an explicit gather tied likewise, and in
+  the backward gathered again and its gradient reduce-scattered, the layer rematerialised
+  whatever cfg.remat says (after_input's tie alone would not do there: the backward kept every
+  layer's gathered weights anyway, and the tied copies of the shards beside them).
   """
   if mesh is None:
     yield
@@ -329,7 +333,8 @@ def after_input(x: jax.Array, params: Any, specs: Any) -> Any:
   element is, NaN and inf included), so the values, signed zeros too, are unchanged. It makes a
   copy of the shards: where no weight is split over a batch axis (data-only or tensor meshes)
   there is no gather to order, and `params` are returned as they are (tied, a data-only mesh's
-  8-layer forward held 8.7 MB of temporaries instead of 0.9)."""
+  8-layer forward held 8.7 MB of temporaries instead of 0.9). For a forward that is not
+  differentiated: `gather_layer` ties and gathers a differentiated one's layers."""
   mesh, rules, _ = _ACTIVATIONS.get()
   batch = _mesh_axes(rules, "batch")
   leaves, tree = jax.tree.flatten(params)
@@ -351,6 +356,77 @@ def after_input(x: jax.Array, params: Any, specs: Any) -> Any:
   tied = jax.shard_map(tie, mesh=mesh, in_specs=(rows, places), out_specs=places,
                        check_vma=False)(first, leaves)
   return jax.tree.unflatten(tree, tied)
+
+
+def _batch_split_axes(params: Any, specs: Any) -> tuple[str, ...]:
+  """The batch axes of the active `shard_activations` (of size > 1) that split some of one
+  layer's `params` (placed by their logical `specs`): those its gather runs over."""
+  leaves, tree = jax.tree.flatten(params)
+  return _local_specs(leaves, tree.flatten_up_to(specs))[0]
+
+
+def gather_layer(prev: jax.Array, params: Any, specs: Any) -> Any:
+  """One layer's `params`, placed by their logical `specs` under the active
+  `shard_activations`, gathered over the batch axes that split them (the other axes, tensor,
+  left to GSPMD): an explicit all-gather (a shard_map manual over those axes only), whose
+  transpose is a reduce-scatter of the gradient. Before gathering, each device ties its shards
+  to `prev` [batch, len, ...], as `after_input` does (an exact -0, no collective): the gather
+  cannot start before `prev` exists."""
+  mesh, _, _ = _ACTIVATIONS.get()
+  leaves, tree = jax.tree.flatten(params)
+  manual, local = _local_specs(leaves, tree.flatten_up_to(specs))
+  rows = P(manual) if prev.shape[0] % math.prod(mesh.shape[a] for a in manual) == 0 else P()
+  first = jax.lax.stop_gradient(prev[:, 0, 0].astype(jnp.float32))  # [batch]
+
+  def gather(first, leaves):
+    s = jnp.abs(first[0])
+    zero = jnp.where(s < 1, s, 0.0) * 0.0  # +0, not a constant XLA could fold away
+    out = []
+    for leaf, place in zip(leaves, local):
+      leaf = leaf - zero.astype(leaf.dtype)
+      for k, axes in enumerate(place):
+        if axes is not None:
+          leaf = jax.lax.all_gather(leaf, axes, axis=k, tiled=True)
+      out.append(leaf)
+    return out
+
+  whole = jax.shard_map(gather, mesh=mesh, in_specs=(rows, local),
+                        out_specs=[P() for _ in local], axis_names=set(manual),
+                        check_vma=False)(first, leaves)
+  return jax.tree.unflatten(tree, whole)
+
+
+def _after_shards(x: jax.Array, shards: Any, specs: Any) -> jax.Array:
+  """x, made to depend on every leaf of `shards` (one layer's reduce-scattered gradient, placed
+  as its parameters by their logical `specs`) through an exact -0 that each device computes
+  from its own shards (no collective): the backward of the layer before cannot start until
+  this layer's gradient is reduced, so no whole gradient waits for its reduce-scatter."""
+  mesh, _, _ = _ACTIVATIONS.get()
+  leaves, tree = jax.tree.flatten(shards)
+  manual, local = _local_specs(leaves, tree.flatten_up_to(specs))
+
+  def zero(leaves):
+    s = sum(jnp.abs(leaf.reshape(-1)[0].astype(jnp.float32)) for leaf in leaves)
+    return jnp.where(s < 1, s, 0.0) * 0.0  # +0, whatever the shards hold
+  z = jax.shard_map(zero, mesh=mesh, in_specs=(local,), out_specs=P(), axis_names=set(manual),
+                    check_vma=False)(leaves)
+  return x - z.astype(x.dtype)
+
+
+def _local_specs(leaves: list, specs: list) -> tuple[tuple[str, ...], list]:
+  """(the batch axes of size > 1 that split some of `leaves`, each leaf's mesh spec restricted
+  to those axes) for one layer's parameters placed by their logical `specs`."""
+  mesh, rules, _ = _ACTIVATIONS.get()
+  places = [_param_spec(mesh, rules, spec, leaf.shape) for leaf, spec in zip(leaves, specs)]
+  names = lambda axes: (() if axes is None else (axes,) if isinstance(axes, str)  # noqa: E731
+                        else tuple(axes))
+  manual = tuple(a for a in _mesh_axes(rules, "batch") if mesh.shape[a] > 1 and any(
+      a in names(axes) for place in places for axes in place))
+
+  def only(axes):
+    kept = tuple(a for a in names(axes) if a in manual)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+  return manual, [P(*(only(axes) for axes in place)) for place in places]
 
 
 def _param_spec(mesh: jax.sharding.Mesh, rules: Mapping[str, Any], logical: Any,
@@ -876,9 +952,13 @@ class Transformer(nn.Module):
     view = None if cache is None else CacheView(
         k=cache.k, v=cache.v, dtype=cache.dtype, layer=jnp.int32(0),
         live_len=jnp.max(positions).astype(jnp.int32) + 1)
+    context = _ACTIVATIONS.get()
     if self.cfg.scan_layers:
       (x, view), _ = self.layers((x, view), positions)
-    elif not (_ACTIVATIONS.get() or (None, None, False))[2]:
+    elif context is not None and not context[2] and view is None and _batch_split_axes(
+        self.layers[0].variables["params"], logical_specs(self.cfg)["layers_0"]):
+      x = self._gathered_layers(x, positions)
+    elif context is None or not context[2]:
       for i, layer in enumerate(self.layers):
         x, view = layer(x, positions, None if view is None else view.replace(layer=i))
     else:  # a GSPMD forward with fsdp-split weights: each layer's gather waits for the last
@@ -895,6 +975,69 @@ class Transformer(nn.Module):
     if view is not None:
       cache = KVCache(k=view.k, v=view.v, dtype=cache.dtype)
     return out, cache
+
+  def _gathered_layers(self, x, positions):
+    """Unrolled layers of a differentiated GSPMD forward (under `shard_activations`, forward_only
+    False) whose weights are split over a batch axis, run as the pipeline executor's
+    `run_layers` runs them with a gather: each layer gathers its own shards (`gather_layer`: an
+    all-gather whose transpose reduce-scatters the gradient) and is rematerialised whole with
+    that gather, whatever cfg.remat says. Its backward (`_gathered_block`) gathers the layer
+    again once the layer's output cotangent exists and reduce-scatters its gradient, instead of
+    keeping every layer's gathered weights and whole all-reduced gradient from the forward to
+    the optimizer (docs/results.md "Unrolled layers in the scoring forwards")."""
+    specs = logical_specs(self.cfg)
+    # The backward is traced after this forward returns, outside the contexts it runs in
+    # (shard_activations, attention's positions_are_indices): it runs in a copy of them.
+    context = contextvars.copy_context()
+    prev = x
+    for i, block in enumerate(self.layers):
+      # layer i's gather waits for layer i - 1 to start (its input `prev`)
+      layer = _GatheredLayer(self.cfg, specs[f"layers_{i}"], context)
+      x, prev = _gathered_block(layer, prev, x, block.variables["params"], positions), x
+    return x
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # eq=False: hashed by identity (static in vjp)
+class _GatheredLayer:
+  """One unrolled layer of `Transformer._gathered_layers`: its config, its parameters' logical
+  specs and the contexts its backward is traced in."""
+  cfg: ModelConfig
+  specs: Any
+  context: contextvars.Context
+
+  def __call__(self, after: jax.Array, x: jax.Array, params: Any, positions: jax.Array):
+    """The Block on x [batch, len, embed] with its shards gathered once `after` exists."""
+    whole = gather_layer(after, params, self.specs)
+    return Block(self.cfg, parent=None).apply({"params": whole}, x, positions)[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gathered_block(layer: _GatheredLayer, prev, x, params, positions):
+  """layer(prev, x, params, positions): a layer whose gather waits for `prev`. Its vjp keeps
+  only x and the shards; the backward runs the layer again with the gather tied to the output's
+  cotangent, so no gathered layer is live from the forward into the backward (jax.checkpoint
+  alone is not enough on XLA:CPU: it drops the barrier that keeps the recomputed gather apart,
+  and the gather is then shared with the forward's), and ties the input's cotangent to the
+  reduce-scattered gradient (`_after_shards`)."""
+  return layer(prev, x, params, positions)
+
+
+def _gathered_block_fwd(layer, prev, x, params, positions):
+  return layer(prev, x, params, positions), (x, params, positions)
+
+
+def _gathered_block_bwd(layer, res, g):
+  x, params, positions = res
+
+  def backward():
+    _, vjp = jax.vjp(lambda x, p: layer(jax.lax.stop_gradient(g), x, p, positions), x, params)
+    dx, dparams = vjp(g)
+    return _after_shards(dx, dparams, layer.specs), dparams
+  dx, dparams = layer.context.run(backward)
+  return None, dx, dparams, None
+
+
+_gathered_block.defvjp(_gathered_block_fwd, _gathered_block_bwd)
 
 
 def _init_boxed(cfg: ModelConfig, rng: jax.Array) -> Any:
