@@ -417,7 +417,11 @@ def test_gathered_layers_update_as_the_plain_unrolled_and_scanned_layers(shape, 
   import optax
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(**shape), jax.devices()[:8])
   cfg = NARROW.replace(num_layers=2)
-  gathered = _run_update(cfg, mesh)
+  split, real = [], llama._batch_split_axes
+  with monkeypatch.context() as m:  # the batch axes the layers were gathered over, seen
+    m.setattr(llama, "_batch_split_axes", lambda *a: split.append(real(*a)) or split[-1])
+    gathered = _run_update(cfg, mesh)
+  assert set(split) == {("fsdp",)}, split  # the gathered path ran, over fsdp alone
   with monkeypatch.context() as m:
     m.setattr(llama, "_batch_split_axes", lambda *_: ())  # the path before
     plain = _run_update(cfg, mesh)
