@@ -263,11 +263,14 @@ def shard_activations(mesh: Optional[jax.sharding.Mesh], rules: Mapping[str, Any
 
   Unrolled layers whose weights are split over a batch axis gather them one layer at a time.
   `forward_only` (the scoring forwards, inference/): each layer's shards are tied to the
-  previous layer's input (`after_input`). Otherwise (the update's differentiated forward) each
-  layer runs through `Transformer._gathered_layers`: an explicit gather tied likewise, and in
-  the backward gathered again and its gradient reduce-scattered, the layer rematerialised
-  whatever cfg.remat says (after_input's tie alone would not do there: the backward kept every
-  layer's gathered weights anyway, and the tied copies of the shards beside them).
+  previous layer's input (`after_input`). Otherwise (the update's differentiated forward), with
+  cfg.remat "full", each layer runs through `Transformer._gathered_layers`: an explicit gather
+  tied likewise, and in the backward gathered again with the recomputed layer and its gradient
+  reduce-scattered (after_input's tie alone would not do there: the backward kept every layer's
+  gathered weights anyway, and the tied copies of the shards beside them). Remat "none" and
+  "dots" keep the plain forward, whose backward holds every gathered layer: rematerialising the
+  layer there would cost them a recomputed forward they chose not to pay (scanned layers hold
+  one gathered layer at a time under any policy).
   """
   if mesh is None:
     yield
@@ -955,8 +958,9 @@ class Transformer(nn.Module):
     context = _ACTIVATIONS.get()
     if self.cfg.scan_layers:
       (x, view), _ = self.layers((x, view), positions)
-    elif context is not None and not context[2] and view is None and _batch_split_axes(
-        self.layers[0].variables["params"], logical_specs(self.cfg)["layers_0"]):
+    elif (context is not None and not context[2] and view is None and self.cfg.remat == "full"
+          and _batch_split_axes(self.layers[0].variables["params"],
+                                logical_specs(self.cfg)["layers_0"])):
       x = self._gathered_layers(x, positions)
     elif context is None or not context[2]:
       for i, layer in enumerate(self.layers):
@@ -978,13 +982,14 @@ class Transformer(nn.Module):
 
   def _gathered_layers(self, x, positions):
     """Unrolled layers of a differentiated GSPMD forward (under `shard_activations`, forward_only
-    False) whose weights are split over a batch axis, run as the pipeline executor's
-    `run_layers` runs them with a gather: each layer gathers its own shards (`gather_layer`: an
-    all-gather whose transpose reduce-scatters the gradient) and is rematerialised whole with
-    that gather, whatever cfg.remat says. Its backward (`_gathered_block`) gathers the layer
-    again once the layer's output cotangent exists and reduce-scatters its gradient, instead of
-    keeping every layer's gathered weights and whole all-reduced gradient from the forward to
-    the optimizer (docs/results.md "Unrolled layers in the scoring forwards")."""
+    False) whose weights are split over a batch axis, with cfg.remat "full", run as the
+    pipeline executor's `run_layers` runs them with a gather: each layer gathers its own shards
+    (`gather_layer`: an all-gather whose transpose reduce-scatters the gradient) and is
+    rematerialised whole with that gather, as "full" rematerialises it anyway. Its backward
+    (`_gathered_block`) gathers the layer again once the layer's output cotangent exists and
+    reduce-scatters its gradient, instead of keeping every layer's gathered weights and whole
+    all-reduced gradient from the forward to the optimizer (docs/results.md "Unrolled layers in
+    the scoring forwards")."""
     specs = logical_specs(self.cfg)
     # The backward is traced after this forward returns, outside the contexts it runs in
     # (shard_activations, attention's positions_are_indices): it runs in a copy of them.
