@@ -417,7 +417,7 @@ def test_top_p_keeps_only_the_nucleus():
   assert np.isin(np.asarray(top_k2), vocab[:2]).all()
 
 
-def test_sharded_generation_equals_single_device(params, prompts, sampled):
+def test_sharded_generation_equals_single_device(params, prompts, sampled, monkeypatch):
   _, r = sampled
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=8))
   gen = instances.Generator(CFG, sampled[0].sampling, batch_size=B, prompt_len=P, mesh=mesh)
@@ -433,6 +433,30 @@ def test_sharded_generation_equals_single_device(params, prompts, sampled):
   rt = gen.generate(sharded, *prompts, KEY)
   np.testing.assert_array_equal(rt.response_tokens, r.response_tokens)
   np.testing.assert_allclose(rt.logprobs, r.logprobs, atol=1e-5)
+  # generation="mesh" on an fsdp mesh: the weights split over a batch axis. Unrolled layers
+  # prefill under shard_activations (instances.activation_mesh); the tokens are those of the
+  # program without it, the log-probs within float32 rounding of its (9.5e-7 apart, 2026-12-07).
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=1, fsdp=8))
+  fsdp = mesh_lib.shard_params(params, llama.logical_specs(CFG), mesh)
+
+  def on_fsdp(cfg, prm):
+    return instances.Generator(cfg, sampled[0].sampling, batch_size=B, prompt_len=P, mesh=mesh,
+                               params=prm).generate(prm, *prompts, KEY)
+  rf = on_fsdp(CFG, fsdp)
+  with monkeypatch.context() as m:
+    m.setattr(instances, "activation_mesh", lambda cfg, mesh, shardings: None)
+    today = on_fsdp(CFG, fsdp)
+  for got in (today, r):
+    np.testing.assert_array_equal(rf.response_tokens, got.response_tokens)
+    np.testing.assert_array_equal(rf.response_lens, got.response_lens)
+  np.testing.assert_allclose(rf.logprobs, today.logprobs, rtol=0, atol=1e-5)
+  np.testing.assert_allclose(rf.logprobs, r.logprobs, rtol=0, atol=1e-5)
+  scanned = CFG.replace(scan_layers=True)
+  stacked = mesh_lib.shard_params(llama.stack_layers(params, CFG.num_layers),
+                                  llama.logical_specs(scanned), mesh)
+  rs = on_fsdp(scanned, stacked)
+  np.testing.assert_array_equal(rs.response_tokens, r.response_tokens)
+  np.testing.assert_allclose(rs.logprobs, r.logprobs, rtol=0, atol=1e-5)
 
 
 def test_state_is_donated_and_compiled_once(params, prompts, sampled):

@@ -69,10 +69,39 @@ def _summary(state: DecodeState):
 
 
 def prefill_slots(cfg: ModelConfig, params, tokens, lens, uids, budget, key, *,
-                  sampling: SamplingConfig, max_len: int):
-  """engine.prefill with each slot's budget; returns (state, summary)."""
-  state = engine.prefill(cfg, params, tokens, lens, uids, key, sampling, max_len, budget=budget)
+                  sampling: SamplingConfig, max_len: int, mesh: Optional[Mesh] = None):
+  """engine.prefill with each slot's budget; returns (state, summary). `mesh`: traced under
+  llama.shard_activations(forward_only=True) on it (`activation_mesh`), else None."""
+  with llama.shard_activations(mesh, mesh_lib.LOGICAL_RULES, forward_only=True):
+    state = engine.prefill(cfg, params, tokens, lens, uids, key, sampling, max_len,
+                           budget=budget)
   return state, _summary(state)
+
+
+def activation_mesh(cfg: ModelConfig, mesh: Mesh, param_shardings: Any) -> Optional[Mesh]:
+  """The mesh prefill keeps its activations split over the batch axes on (`prefill_slots`):
+  `mesh` where the layers are unrolled and some weight is split over a batch axis of it
+  (generation="mesh" on an fsdp training mesh), else None (traced as before).
+
+  Unrolled layers without the constraint let GSPMD answer a weight split over fsdp on `embed`
+  by multiplying each device's slice of `embed` for the whole batch and all-reducing the
+  products: every row's activations on every device (7B widths, 4 layers, fsdp 8, 8 rows of
+  1,024 tokens a device: 12.5 GB of temporaries; docs/results.md "Unrolled layers in mesh
+  generation"). Under it each layer's weights are gathered, one layer after another
+  (llama.after_input), and each device computes its own rows. Scanned layers already gather
+  theirs: their program is left as it was, so are its bfloat16 roundings. The decode chunk
+  stays out: its one token a row all-reduces less than its weights would gather. An instance
+  that holds its weights whole over the batch axes (data-only or tensor meshes) has nothing to
+  gather."""
+  def split(sharding) -> bool:
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+      return False
+    axes = {a for entry in sharding.spec if entry is not None
+            for a in ((entry,) if isinstance(entry, str) else entry)}
+    return any(mesh.shape.get(a, 1) > 1 for a in axes & set(mesh_lib.BATCH_AXES))
+  if cfg.scan_layers or not any(split(s) for s in jax.tree.leaves(param_shardings)):
+    return None
+  return mesh
 
 
 def decode_slots(cfg: ModelConfig, params, state: DecodeState, key, *,
@@ -259,9 +288,10 @@ def _under_kernel_mesh(fn: Callable, kernel: Optional[tuple]) -> Callable:
 
 @functools.lru_cache(maxsize=None)
 def _prefill_fn(cfg: ModelConfig, sampling: SamplingConfig, max_len: int,
-                kernel: Optional[tuple] = None) -> Callable:
+                kernel: Optional[tuple] = None, mesh: Optional[Mesh] = None) -> Callable:
   return _under_kernel_mesh(
-      functools.partial(prefill_slots, cfg, sampling=sampling, max_len=max_len), kernel)
+      functools.partial(prefill_slots, cfg, sampling=sampling, max_len=max_len, mesh=mesh),
+      kernel)
 
 
 @functools.lru_cache(maxsize=None)
@@ -370,7 +400,7 @@ class GenerationInstance:
     cfg, sampling, p = self.cfg, self.sampling, self.prompt_len
     st_sh, rep = self.state_sharding, self.rep
     prm, tok, row, key = self._prefill_args(actor_params)
-    pre = _prefill_fn(cfg, sampling, self.max_len, self.kernel)
+    pre = self._prefill_fn(prm)
     st = self.state_abstract(actor_params)
     out = []
     if want("prefill"):
@@ -445,9 +475,13 @@ class GenerationInstance:
   def state_abstract(self, actor_params) -> DecodeState:
     """ShapeDtypeStructs (with this instance's shardings) of the decode state."""
     prm, tok, row, key = self._prefill_args(actor_params)
-    pre = _prefill_fn(self.cfg, self.sampling, self.max_len, self.kernel)
-    return mesh_lib.abstract(jax.eval_shape(pre, prm, tok, row, row, row, key)[0],
-                             self.state_sharding)
+    return mesh_lib.abstract(jax.eval_shape(self._prefill_fn(prm), prm, tok, row, row, row,
+                                            key)[0], self.state_sharding)
+
+  def _prefill_fn(self, prm) -> Callable:
+    """The prefill function for params `prm` (ShapeDtypeStructs with their shardings)."""
+    act = activation_mesh(self.cfg, self.mesh, jax.tree.map(lambda x: x.sharding, prm))
+    return _prefill_fn(self.cfg, self.sampling, self.max_len, self.kernel, act)
 
   @property
   def num_executables(self) -> int:
