@@ -471,7 +471,7 @@ def test_mesh_generation_prefill_holds_its_own_rows():
   """generation="mesh" with unrolled layers split over fsdp=8 (as plan_check compiles it): the
   prefill of 64 rows x 48 tokens holds about what scanned layers do, the gathered layers over
   it, not every row's activations on every device (before: 25.5 MB of temporaries against
-  3.07 MB scanned; 5.26 MB since, 2026-12-07)."""
+  3.07 MB scanned, 1.05 MB a layer; 5.26 MB since, 2026-12-07)."""
   mesh = _mesh(8)
   temp = {}
   for scan in (False, True):
@@ -480,7 +480,8 @@ def test_mesh_generation_prefill_holds_its_own_rows():
     temp[scan] = lowered.compile().memory_analysis().temp_size_in_bytes
   layer = sum(x.size * x.dtype.itemsize
               for x in jax.tree.leaves(llama.param_shapes(WIDE)["layers_0"]))
-  assert temp[False] < temp[True] + 2.5 * layer, (temp, layer)
+  # (the unrolled program holds up to two gathered layers and the tied shards, scanned one)
+  assert temp[False] < temp[True] + 3 * layer, (temp, layer)
 
 
 def test_only_the_unrolled_prefill_on_split_weights_is_constrained(monkeypatch):

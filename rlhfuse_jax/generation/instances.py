@@ -88,7 +88,9 @@ def activation_mesh(cfg: ModelConfig, mesh: Mesh, param_shardings: Any) -> Optio
   products: every row's activations on every device (7B widths, 4 layers, fsdp 8, 8 rows of
   1,024 tokens a device: 12.5 GB of temporaries; docs/results.md "Unrolled layers in mesh
   generation"). Under it each layer's weights are gathered, one layer after another
-  (llama.after_input), and each device computes its own rows. Scanned layers already gather
+  (llama.after_input), and each device computes its own rows (3.35 GB; where a device holds few
+  short prompts the two gathered layers cost more than those rows saved: 8 rows of 16 tokens at
+  hidden 256, 2.1 -> 10.0 MB, fsdp 8). Scanned layers already gather
   theirs: their program is left as it was, so are its bfloat16 roundings. The decode chunk
   stays out: its one token a row all-reduces less than its weights would gather. An instance
   that holds its weights whole over the batch axes (data-only or tensor meshes) has nothing to
