@@ -274,6 +274,14 @@ def test_per_layer_upcast_drops_the_hoisted_float32_weight_copy():
     assert plain[name]["flops_per_device"] == p["flops_per_device"]
   hoists = plain["decode"]["temp_bytes"] >= a.num_layers * layer_f32  # the whole copy
   assert progs["decode"]["cpu_upcast"]["used"] == ("per_layer" if hoists else "as_compiled")
+  # The table says which temp is the scanned compile's, and the unrolled program's own.
+  scanned = [n for n, p in progs.items() if p.get("cpu_upcast", {}).get("used") == "per_layer"]
+  notes = plan_programs.per_layer_notes({"programs": progs})
+  assert len(notes) == (1 if scanned else 0), notes
+  for name in scanned:
+    own = plan_programs._gb(plain[name]["temp_bytes"])  # pylint: disable=protected-access
+    assert f"{name} {own}" in notes[0], (name, own, notes)
+  assert not plan_programs.per_layer_notes({"programs": plain})
   c.cpu_upcast = "gpu"
   with pytest.raises(ValueError, match="config.cpu_upcast='gpu': expected one of"):
     plan_programs.PlanConfig.from_config_dict(c)
