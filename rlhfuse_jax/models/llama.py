@@ -295,9 +295,20 @@ def no_activation_constraints():
     _ACTIVATIONS.reset(token)
 
 
+def _axes(entry: Any) -> tuple[str, ...]:
+  """The mesh axes of one entry of a PartitionSpec or of the logical rules (None, a name or a
+  tuple of names)."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def _mesh_axes(rules: Mapping[str, Any], name: Optional[str]) -> tuple[str, ...]:
-  axis = rules.get(name) if name is not None else None
-  return () if axis is None else ((axis,) if isinstance(axis, str) else tuple(axis))
+  return _axes(rules.get(name) if name is not None else None)
+
+
+def _opaque_zero(s: jax.Array) -> jax.Array:
+  """+0 computed from `s` (a float32 scalar >= 0, or NaN): exact whatever `s` is, inf and NaN
+  included, yet not a constant XLA could fold away, so what is tied to it waits for `s`."""
+  return jnp.where(s < 1, s, 0.0) * 0.0
 
 
 def constrain_batch(x: jax.Array) -> jax.Array:
@@ -341,19 +352,16 @@ def after_input(x: jax.Array, params: Any, specs: Any) -> Any:
   mesh, rules, _ = _ACTIVATIONS.get()
   batch = _mesh_axes(rules, "batch")
   leaves, tree = jax.tree.flatten(params)
+  if not _batch_split_axes(params, specs):
+    return params  # no weight split over the batch axes, no gather to order: a copy for nothing
   places = [_param_spec(mesh, rules, spec, leaf.shape)
             for leaf, spec in zip(leaves, tree.flatten_up_to(specs))]
-  split = {a for place in places for axes in place if axes
-           for a in ((axes,) if isinstance(axes, str) else axes)}
-  if not any(mesh.shape[a] > 1 for a in split & set(batch)):
-    return params  # no weight split over the batch axes, no gather to order: a copy for nothing
   rows = P(batch) if x.shape[0] % math.prod(mesh.shape[a] for a in batch) == 0 else P()
   first = jax.lax.with_sharding_constraint(x[:, 0, 0].astype(jnp.float32),
                                            NamedSharding(mesh, rows))  # [batch]
 
   def tie(first, leaves):
-    s = jnp.abs(first[0])
-    zero = jnp.where(s < 1, s, 0.0) * 0.0  # +0, not a constant XLA could fold away
+    zero = _opaque_zero(jnp.abs(first[0]))
     return [leaf - zero.astype(leaf.dtype) for leaf in leaves]
 
   tied = jax.shard_map(tie, mesh=mesh, in_specs=(rows, places), out_specs=places,
@@ -382,8 +390,7 @@ def gather_layer(prev: jax.Array, params: Any, specs: Any) -> Any:
   first = jax.lax.stop_gradient(prev[:, 0, 0].astype(jnp.float32))  # [batch]
 
   def gather(first, leaves):
-    s = jnp.abs(first[0])
-    zero = jnp.where(s < 1, s, 0.0) * 0.0  # +0, not a constant XLA could fold away
+    zero = _opaque_zero(jnp.abs(first[0]))
     out = []
     for leaf, place in zip(leaves, local):
       leaf = leaf - zero.astype(leaf.dtype)
@@ -408,9 +415,8 @@ def _after_shards(x: jax.Array, shards: Any, specs: Any) -> jax.Array:
   leaves, tree = jax.tree.flatten(shards)
   manual, local = _local_specs(leaves, tree.flatten_up_to(specs))
 
-  def zero(leaves):
-    s = sum(jnp.abs(leaf.reshape(-1)[0].astype(jnp.float32)) for leaf in leaves)
-    return jnp.where(s < 1, s, 0.0) * 0.0  # +0, whatever the shards hold
+  def zero(leaves):  # +0, whatever the shards hold
+    return _opaque_zero(sum(jnp.abs(leaf.reshape(-1)[0].astype(jnp.float32)) for leaf in leaves))
   z = jax.shard_map(zero, mesh=mesh, in_specs=(local,), out_specs=P(), axis_names=set(manual),
                     check_vma=False)(leaves)
   return x - z.astype(x.dtype)
@@ -421,13 +427,11 @@ def _local_specs(leaves: list, specs: list) -> tuple[tuple[str, ...], list]:
   to those axes) for one layer's parameters placed by their logical `specs`."""
   mesh, rules, _ = _ACTIVATIONS.get()
   places = [_param_spec(mesh, rules, spec, leaf.shape) for leaf, spec in zip(leaves, specs)]
-  names = lambda axes: (() if axes is None else (axes,) if isinstance(axes, str)  # noqa: E731
-                        else tuple(axes))
   manual = tuple(a for a in _mesh_axes(rules, "batch") if mesh.shape[a] > 1 and any(
-      a in names(axes) for place in places for axes in place))
+      a in _axes(axes) for place in places for axes in place))
 
   def only(axes):
-    kept = tuple(a for a in names(axes) if a in manual)
+    kept = tuple(a for a in _axes(axes) if a in manual)
     return None if not kept else kept[0] if len(kept) == 1 else kept
   return manual, [P(*(only(axes) for axes in place)) for place in places]
 
