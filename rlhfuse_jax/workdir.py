@@ -53,7 +53,10 @@ TMP_PREFIX = ".tmp_"  # temp files beside their target (atomic_write_bytes, save
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
-  """Writes `data` to `path` atomically (same-directory temp file + fsync + os.replace)."""
+  """Writes `data` to `path` atomically and durably: a same-directory temp file, fsynced, renamed
+  over `path` (os.replace), then the directory fsynced, so that the new name, not only the data,
+  survives a power loss (before, one right after the rename could bring the old file back,
+  or none: a config.json beside a checkpoint orbax had synced since)."""
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
   with _naming(path):
@@ -69,6 +72,8 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
     if os.path.exists(tmp):
       os.remove(tmp)
     raise
+  with _naming(path):
+    fsync_directory(directory)
 
 
 def fsync_directory(path: str) -> None:

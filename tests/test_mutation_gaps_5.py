@@ -8,6 +8,7 @@ import math
 import os
 import signal
 import socket
+import stat
 import types
 
 import numpy as np
@@ -21,12 +22,15 @@ from rlhfuse_jax import workdir as wd
 
 def test_appended_and_atomic_writes_reach_the_disk_before_they_return(tmp_path, monkeypatch):
   """append_jsonl flushes and fsyncs its line (a crash loses at most that line), and an atomic
-  write fsyncs its temporary file before the rename: each fsync sees the whole data written."""
+  write fsyncs its temporary file before the rename, each fsync seeing the whole data written,
+  then the directory after the rename, with the new name in it (a power loss right after the
+  rename brought the old file back, or none)."""
   synced = []
   real_fsync = os.fsync
 
   def fsync(fd):
-    synced.append(os.fstat(fd).st_size)
+    st = os.fstat(fd)
+    synced.append(sorted(os.listdir(tmp_path)) if stat.S_ISDIR(st.st_mode) else st.st_size)
     real_fsync(fd)
   monkeypatch.setattr(wd.os, "fsync", fsync)
   path = tmp_path / "metrics.jsonl"
@@ -34,7 +38,8 @@ def test_appended_and_atomic_writes_reach_the_disk_before_they_return(tmp_path, 
   wd.append_jsonl(str(path), {"step": 2})
   assert synced == [len('{"step": 1}\n'), 2 * len('{"step": 1}\n')]
   wd.write_json(str(tmp_path / "result.json"), {"a": 1})
-  assert synced[2:] == [os.path.getsize(tmp_path / "result.json")]
+  assert synced[2:] == [os.path.getsize(tmp_path / "result.json"),
+                        ["metrics.jsonl", "result.json"]]
 
 
 def test_a_workdir_lock_names_only_its_current_holder(tmp_path):
