@@ -590,13 +590,29 @@ def keep_jsonl_through(path: str, step: int, rows: bool = True) -> list:
   return kept
 
 
+class ReadError(ValueError):
+  """A file of the run's records that could not be read (a JSONL log: no permission, an I/O
+  error, a directory in its place), named: a file to put right (config_files.run: exit 1, one
+  line), not a traceback. Not an OSError, so that hooks.writing around a read before a write
+  (a start dropping metrics.jsonl's rows after its checkpoint) does not report it as a failed
+  write ("writing metrics.jsonl failed", exit 3: a full disk, where nothing was written)."""
+
+
 def _jsonl_rows(path: str):
   """(line, row) for each line of a JSONL file written by `append_jsonl`, streamed: row None for
   a blank line and for a torn last line (crash mid-write), which also ends the file. Any other
   line that is not a JSON object (malformed, not UTF-8, an array or a number) is a ValueError
-  naming the file and the line."""
+  naming the file and the line; a failed open or read, ReadError naming the file."""
   if not os.path.exists(path):
     return
+  try:
+    yield from _jsonl_lines(path)
+  except OSError as e:  # (a generator's own: a consumer's errors never come back into it)
+    raise ReadError(f"reading {e.filename or path} failed: {os_error_text(e)}") from e
+
+
+def _jsonl_lines(path: str):
+  """_jsonl_rows' rows, its OSErrors as they are."""
   with open(path, "rb") as f:
     line, i = f.readline(), 0
     while line:

@@ -1617,6 +1617,60 @@ def test_a_full_disk_at_a_finished_run_s_re_run_stops_it_as_a_failed_save_does(
   assert [r["step"] for r in wd.read_jsonl(path)] == [1, 2]
 
 
+def _unreadable(monkeypatch, path: str) -> None:
+  """Opening `path` to read fails with EACCES, as for a user without read permission (chmod 000
+  does not stop root, who runs the tests in CI): its writes and every other file's open."""
+  import builtins
+  real = builtins.open
+
+  def opening(file, mode="r", *args, **kwargs):
+    if str(file) == path and not set(mode) & set("wax+"):
+      raise PermissionError(errno.EACCES, "Permission denied", path)
+    return real(file, mode, *args, **kwargs)
+  monkeypatch.setattr(builtins, "open", opening)
+
+
+@pytest.mark.parametrize("more", [0, 1], ids=["finished", "resumed"])
+def test_an_unreadable_metrics_jsonl_at_a_start_is_a_failed_read_not_write(
+    tmp_path, finished_2, monkeypatch, more):
+  """A start reads metrics.jsonl to drop the rows after its checkpoint, inside hooks.writing (a
+  full disk at that rewrite: exit 3): the file unreadable (permissions, an I/O error) was
+  reported as "writing metrics.jsonl failed" and exit 3 (a resume), or as the bare OSError and
+  its traceback (a finished run's re-run). Now a one-line input error (exit 1) that says it is
+  the read, and that nothing is lost; once the file reads, the same command goes on."""
+  cfg, workdir = finished_2
+  run = str(tmp_path / "run")
+  shutil.copytree(workdir, run)
+  cfg = dataclasses.replace(cfg, num_iterations=cfg.num_iterations + more)
+  path = os.path.join(run, "metrics.jsonl")
+  with monkeypatch.context() as m:
+    _unreadable(m, path)
+    with pytest.raises(wd.ReadError) as e:
+      PPOTrainer(cfg, run).run()
+  assert not isinstance(e.value, checkpointing.SaveError)
+  assert str(e.value) == (
+      f"reading {path} failed: PermissionError: [Errno 13] Permission denied" +
+      (_FINISHED_2_KEPT if not more else "; nothing saved before is lost: checkpoint 2 and the "
+       "metrics through it are intact, and the same command resumes from it once the cause is "
+       "fixed"))
+  assert [r["step"] for r in wd.read_jsonl(path)] == [1, 2]
+
+
+def test_the_logs_a_start_cannot_read_are_named_as_reads(tmp_path):
+  """MetricsLog.begin and SamplesLog.begin read their file before rewriting it: a directory in
+  its place was "writing ... failed" (LogWriteError, exit 3, a full disk's words)."""
+  cfg = tiny_config()
+  for name in ("metrics.jsonl", "samples.jsonl"):
+    os.makedirs(tmp_path / name)
+  log = hooks.MetricsLog(str(tmp_path), cfg, lambda metrics: "")
+  with pytest.raises(wd.ReadError, match=re.escape(
+      f"reading {tmp_path}/metrics.jsonl failed: IsADirectoryError: [Errno 21] Is a directory")):
+    log.begin(2)
+  log.end(failing=True)
+  with pytest.raises(wd.ReadError, match=re.escape(f"reading {tmp_path}/samples.jsonl failed")):
+    hooks.SamplesLog(str(tmp_path), lambda: None).begin(2)
+
+
 def test_an_input_gone_at_a_finished_run_s_hf_export_says_the_run_is_kept(tmp_path, finished_2,
                                                                           monkeypatch):
   """A file the run's HF export reads that is gone (test_an_input_gone_before_the_hf_export_...)

@@ -301,7 +301,8 @@ class LogWriteError(checkpointing.SaveError):
 def writing(path: str):
   """Re-raises an OSError of a write of the run's records as LogWriteError naming the file
   (`path` where the error names none: TensorBoard's writes, an fsync). A read of an input
-  within is the caller's to name as one (hf_export.ExportInputError), not a failed write."""
+  within is the caller's to name as one (hf_export.ExportInputError; a JSONL log's,
+  workdir.ReadError: "reading metrics.jsonl failed", exit 1), not a failed write."""
   try:
     yield
   except OSError as e:

@@ -1402,7 +1402,9 @@ class PPOTrainer:
                             if isinstance(e, hooks.LogWriteError)
                             else "the checkpoint save in progress failed")
         e.args = (f"{moved}. ({e})",) if moved else (f"{e}{self.kept_after_failed_write()}",)
-      elif isinstance(e, hf_export.ExportInputError):  # (the run's tokenizer gone since)
+      elif isinstance(e, (hf_export.ExportInputError, wd.ReadError)):
+        # (the run's tokenizer gone since; metrics.jsonl unreadable where a start drops its
+        # rows after the checkpoint: read before anything is written, so nothing is lost)
         e.args = (f"{e}{self.kept_after_failed_write()}",)
       self.release_lock()
       raise
