@@ -597,3 +597,33 @@ def test_out_dirs_of_the_other_model(tmp_path):
   shutil.rmtree(run / hf_export.HF_EXPORT_DIR)
   shutil.copytree(tmp_path / "older", run / hf_export.HF_EXPORT_DIR)
   assert not hf_export.export_pending(str(run), cfg, 4)
+
+
+def test_a_tokenizer_file_the_run_read_gone_at_the_export_is_named(tmp_path):
+  """A file beside init.tokenizer that the run read as it started (special_tokens_map.json:
+  the special tokens; tokenizer_config.json, the chat template, generation_config.json's EOS
+  ids) and that is gone at the export was left out of it, silently: a model whose tokenizer
+  is not the run's. Now an ExportInputError naming it, as for tokenizer.json, and nothing of
+  the export is left; a file the run did not read (not there as it started) is no input."""
+  from rlhfuse_jax.trainer import inputs as inputs_lib
+  from tests.test_faults import _hf_export_inputs
+  cfg, tok, params = _hf_export_inputs(tmp_path)
+  gone = os.path.join(os.path.dirname(cfg.init.tokenizer), "special_tokens_map.json")
+  with open(gone, "w") as f:
+    json.dump({"eos_token": "<|im_end|>"}, f)
+  read = inputs_lib.fingerprints(cfg)  # what the run's start records (hooks.Checkpoints)
+  assert "special_tokens_map.json" in read["init.tokenizer"]
+  os.remove(gone)
+  run = str(tmp_path / "run")
+  os.makedirs(run)
+  with pytest.raises(hf_export.ExportInputError) as e:
+    hf_export.HFExport(run, cfg, lambda: params, tok, read).export(2)
+  assert str(e.value) == (
+      f"reading {gone} failed: FileNotFoundError: [Errno 2] No such file or directory; it is a "
+      "file beside the tokenizer config.init.tokenizer names, which the run read and its HF "
+      "export copies: put it back (nothing of the export is left)")
+  assert os.listdir(run) == []
+  hf_export.HFExport(run, cfg, lambda: params, tok, inputs_lib.fingerprints(cfg)).export(2)
+  out = os.path.join(run, hf_export.HF_EXPORT_DIR)
+  assert "special_tokens_map.json" not in os.listdir(out)
+  assert "tokenizer_config.json" in os.listdir(out)

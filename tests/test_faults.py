@@ -1684,8 +1684,12 @@ def test_an_input_gone_at_a_finished_run_s_hf_export_says_the_run_is_kept(tmp_pa
   cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint,
                                                                 export_hf="auto"))
   gone = str(tmp_path / "tok" / "tokenizer.json")
-  monkeypatch.setattr(hf_export, "_copy_tokenizer", lambda c, t, out: hf_export._read_input(
-      gone, "the tokenizer config.init.tokenizer names"))
+  read = []  # the names of the tokenizer's files the run read, as the export is told them
+
+  def copy(c, t, out, names=None):
+    read.append(names)
+    hf_export._read_input(gone, "the tokenizer config.init.tokenizer names")
+  monkeypatch.setattr(hf_export, "_copy_tokenizer", copy)
   with pytest.raises(hf_export.ExportInputError) as e:
     PPOTrainer(cfg, run).run()
   assert str(e.value) == (
@@ -1693,6 +1697,7 @@ def test_an_input_gone_at_a_finished_run_s_hf_export_says_the_run_is_kept(tmp_pa
       "tokenizer config.init.tokenizer names, which the run read and its HF export copies: put "
       f"it back (nothing of the export is left){_FINISHED_2_KEPT}")
   assert not os.path.exists(os.path.join(run, "hf_export"))
+  assert read == [{}]  # known: none (the tiny run names no init.tokenizer), not None (unknown)
 
 
 def test_a_schedule_cache_that_cannot_be_written_is_said_and_the_run_goes_on(

@@ -207,7 +207,7 @@ def test_an_export_fills_null_special_ids_and_starts_from_an_empty_directory(tmp
   monkeypatch.setattr(hf_export.mesh_lib, "to_host", lambda p: p)
   monkeypatch.setattr(hf_export, "export_family", lambda cfg, model="actor": "llama")
   monkeypatch.setattr(hf_export, "_resolved_family", lambda cfg, model="actor": "llama")
-  monkeypatch.setattr(hf_export, "_copy_tokenizer", lambda cfg, tokenizer, out: None)
+  monkeypatch.setattr(hf_export, "_copy_tokenizer", lambda cfg, tokenizer, out, read: None)
   out = tmp_path / "hf_export"
   writing, _ = hf_export.export_work_dirs(str(out))
   os.makedirs(writing)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import jax
 import numpy as np
@@ -111,11 +111,16 @@ def _write_json(path: str, obj: Any, **kwargs) -> None:
   wd.atomic_write_text(path, json.dumps(obj, indent=2, **kwargs))
 
 
-def _copy_tokenizer(cfg: TrainConfig, tokenizer: Optional[Tokenizer], out: str) -> None:
+def _copy_tokenizer(cfg: TrainConfig, tokenizer: Optional[Tokenizer], out: str,
+                    read: Optional[Mapping[str, Any]] = None) -> None:
   """The tokenizer the run read, as tokenizer.json, with the files beside it that it read too
   (tokenizer_config.json, special_tokens_map.json, chat_template.jinja); then a chat template
   given by path (data.chat_template), which is what the prompts were rendered with. A run on
-  the synthetic task's tokenizer (no init.tokenizer) writes that one."""
+  the synthetic task's tokenizer (no init.tokenizer) writes that one. `read`: the names of the
+  files beside it that the run read (its start's fingerprint of init.tokenizer, trainer/
+  inputs.py): one of them gone since is ExportInputError naming it, as tokenizer.json is (it
+  was left out of the export, silently: another special token or template than the run's);
+  None (not known): those there are copied."""
   tok = cfg.init.tokenizer
   if tok:
     path = tokenizer_lib.tokenizer_file(tok)
@@ -123,7 +128,7 @@ def _copy_tokenizer(cfg: TrainConfig, tokenizer: Optional[Tokenizer], out: str) 
         path, "the tokenizer config.init.tokenizer names"))
     for name in TOKENIZER_FILES:
       src = os.path.join(os.path.dirname(path), name)
-      if name != "tokenizer.json" and os.path.isfile(src):
+      if name != "tokenizer.json" and (os.path.isfile(src) or name in (read or ())):
         data = _read_input(src, "a file beside the tokenizer config.init.tokenizer names")
         # The template as the run read it: without the byte-order mark chat.py drops, which
         # transformers would render before every prompt of the export.
@@ -323,7 +328,7 @@ def export_work_dirs(out_dir: str) -> tuple[str, str]:
 
 def export_hf(params: Any, cfg: TrainConfig, out_dir: str, step: Optional[int] = None,
               tokenizer: Optional[Tokenizer] = None, run: str = "",
-              model: str = "actor") -> Optional[str]:
+              model: str = "actor", inputs: Optional[Mapping[str, Any]] = None) -> Optional[str]:
   """Writes the `model` ("actor", or "critic") `params` of the resolved config `cfg` as a HF
   checkpoint in `out_dir` (replacing an earlier export only once the new one is complete),
   marked with `step` (the iteration it is from; None: unmarked), `run` (the run's workdir) and
@@ -332,7 +337,8 @@ def export_hf(params: Any, cfg: TrainConfig, out_dir: str, step: Optional[int] =
   init.critic_checkpoint) gave none: a critic's config.json gets a pad_token_id, without which
   transformers' *ForSequenceClassification refuses batches of more than one sequence. Every
   process takes part (a multi-host model is gathered); process 0 writes. Returns the family
-  written."""
+  written. `inputs`: the run's fingerprints of the files it read ({field: {file name: digest}},
+  trainer/inputs.py): a tokenizer file among them gone since is an ExportInputError."""
   check_model_name(model)
   family = export_family(cfg, model)
   params = mesh_lib.to_host(params)
@@ -341,7 +347,7 @@ def export_hf(params: Any, cfg: TrainConfig, out_dir: str, step: Optional[int] =
   tmp, old = export_work_dirs(out_dir)
   shutil.rmtree(tmp, ignore_errors=True)
   try:
-    _write_export(params, cfg, tmp, step, tokenizer, run, model, family)
+    _write_export(params, cfg, tmp, step, tokenizer, run, model, family, inputs)
     wd.fsync_directory(tmp)  # its files' names, before it is renamed into place (each file is)
   except BaseException:  # (a full disk: its space back, no half an export left beside out_dir)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -361,7 +367,7 @@ def export_hf(params: Any, cfg: TrainConfig, out_dir: str, step: Optional[int] =
 
 def _write_export(params: Any, cfg: TrainConfig, tmp: str, step: Optional[int],
                   tokenizer: Optional[Tokenizer], run: str, model: str,
-                  family: Optional[str]) -> None:
+                  family: Optional[str], inputs: Optional[Mapping[str, Any]] = None) -> None:
   """export_hf's files, written into its working directory `tmp`."""
   hf_loader.save_hf_checkpoint(params, model_config(cfg, model), tmp, family=family)
   marker = {"step": step, "family": _resolved_family(cfg, model),
@@ -376,7 +382,8 @@ def _write_export(params: Any, cfg: TrainConfig, tmp: str, step: Optional[int],
           "values (logits) are the critic's minus %.6g: add it back", bias, bias)
   if step is not None:
     wd.atomic_write_text(os.path.join(tmp, EXPORT_MARKER), json.dumps(marker))
-  _copy_tokenizer(cfg, tokenizer, tmp)
+  _copy_tokenizer(cfg, tokenizer, tmp, None if inputs is None else
+                  inputs.get("init.tokenizer") or {})
   source = source_checkpoint(cfg, model)
   if source:  # its generation config, and its config.json's special ids
     what = f"a file of the checkpoint config.init.{model}_checkpoint names"
@@ -395,12 +402,15 @@ class HFExport(Hook):
   """checkpoint.export_hf: once the run completes num_iterations, the actor (`params_fn()`, its
   whole parameters) as a HF checkpoint in WORKDIR/hf_export. A run stopped earlier exports
   nothing; the run that completes it does. A finished run whose export is missing or older than
-  its last checkpoint (export_pending) exports again when re-run (trainer/loop.py)."""
+  its last checkpoint (export_pending) exports again when re-run (trainer/loop.py).
+  `inputs`: the fingerprints of the files the run read as it started (export_hf's)."""
 
   def __init__(self, workdir: str, cfg: TrainConfig, params_fn: Callable[[], Any],
-               tokenizer: Optional[Tokenizer] = None):
+               tokenizer: Optional[Tokenizer] = None,
+               inputs: Optional[Mapping[str, Any]] = None):
     self.workdir, self.out_dir = workdir, os.path.join(workdir, HF_EXPORT_DIR)
     self.cfg, self.params_fn, self.tokenizer = cfg, params_fn, tokenizer
+    self.inputs = inputs
 
   def after(self, step: int, metrics: dict, stopping: bool) -> None:
     if self.cfg.checkpoint.export_hf and step == self.cfg.num_iterations:
@@ -410,6 +420,6 @@ class HFExport(Hook):
     # A full disk: hooks.LogWriteError (train_ppo: exit 3, as a failed save), naming the file.
     with writing(self.out_dir):
       family = export_hf(self.params_fn(), self.cfg, self.out_dir, step, self.tokenizer,
-                         self.workdir)
+                         self.workdir, inputs=self.inputs)
     logging.info("exported the actor of iteration %d as a HF %s checkpoint: %s", step, family,
                  self.out_dir)

@@ -866,7 +866,7 @@ class PPOTrainer:
     params = self.update.whole(model, state[model])
     with hooks.writing(out_dir):  # a full disk: LogWriteError (export_hf: exit 3) naming it
       family = hf_export.export_hf(params, cfg, out_dir, step, self.tokenizer, self.workdir,
-                                   model=model)
+                                   model=model, inputs=self._export_inputs)
     logging.info("exported the %s of iteration %d as a HF %s checkpoint: %s", model, step,
                  family, out_dir)
     return family
@@ -1385,7 +1385,7 @@ class PPOTrainer:
         hooks.SamplesLog(self.workdir, lambda: None).begin(start)  # its rows after `start`
         if self.export_only:
           hf_export.HFExport(self.workdir, self.cfg, lambda: self.model_params("actor"),
-                         self.tokenizer).export(start)
+                             self.tokenizer, self.checkpoints.inputs).export(start)
         logging.info("workdir already has %d iterations (num_iterations=%d): nothing to train%s",
                      start, self.cfg.num_iterations,
                      "; its checkpoints and metrics stay at iteration %d (a shorter run of this "
@@ -1506,7 +1506,7 @@ class PPOTrainer:
                  hooks.SamplesLog(self.workdir, self._take_samples),
                  self.checkpoints,
                  hf_export.HFExport(self.workdir, self.cfg, lambda: self.model_params("actor"),
-                                self.tokenizer)]
+                                    self.tokenizer, self.checkpoints.inputs)]
     history, failing = [], True
     try:
       hooks.run_hooks(run_hooks, "begin", start)
