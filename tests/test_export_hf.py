@@ -627,3 +627,36 @@ def test_a_tokenizer_file_the_run_read_gone_at_the_export_is_named(tmp_path):
   out = os.path.join(run, hf_export.HF_EXPORT_DIR)
   assert "special_tokens_map.json" not in os.listdir(out)
   assert "tokenizer_config.json" in os.listdir(out)
+
+
+@pytest.mark.parametrize("family,name", [("auto", "config.json"), ("llama", "config.json"),
+                                         ("llama", "generation_config.json")])
+def test_a_source_checkpoint_file_the_run_read_gone_at_the_export_is_named(tmp_path, family,
+                                                                           name):
+  """The actor's source checkpoint's config.json (the run read the model from it) gone at the
+  export: with checkpoint.export_hf='auto' (which reads the family there) the export said
+  "writing WORKDIR/hf_export failed: FileNotFoundError" (exit 3, a full disk's words); with a
+  family given it wrote the export without the source's special ids and context, silently, as
+  it left out a generation_config.json the run read (its stop ids). Now an ExportInputError
+  naming the file, and nothing of the export is left."""
+  from rlhfuse_jax.trainer import inputs as inputs_lib
+  from tests.test_faults import FIXTURES, _hf_export_inputs
+  cfg, tok, params = _hf_export_inputs(tmp_path)
+  source = str(tmp_path / "source")
+  shutil.copytree(os.path.join(FIXTURES, "tiny_llama"), source)
+  cfg = dataclasses.replace(
+      cfg, init=dataclasses.replace(cfg.init, actor_checkpoint=source),
+      checkpoint=dataclasses.replace(cfg.checkpoint, export_hf=family))
+  read = inputs_lib.fingerprints(cfg)
+  assert name in read["init.actor_checkpoint"]
+  gone = os.path.join(source, name)
+  os.remove(gone)
+  run = str(tmp_path / "run")
+  os.makedirs(run)
+  with pytest.raises(hf_export.ExportInputError) as e:
+    hf_export.HFExport(run, cfg, lambda: params, tok, read).export(2)
+  assert str(e.value) == (
+      f"reading {gone} failed: FileNotFoundError: [Errno 2] No such file or directory; it is a "
+      "file of the checkpoint config.init.actor_checkpoint names, which the run read and its HF "
+      "export copies: put it back (nothing of the export is left)")
+  assert os.listdir(run) == []

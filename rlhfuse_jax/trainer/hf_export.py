@@ -236,11 +236,15 @@ def _fill_special_ids(tokenizer: Optional[Tokenizer], config_path: str) -> None:
   _write_json(config_path, out)
 
 
+def _source_file(model: str) -> str:
+  """What a file of `model`'s source checkpoint is, in an ExportInputError (_read_input)."""
+  return f"a file of the checkpoint config.init.{model}_checkpoint names"
+
+
 def _keep_source_context(source_dir: str, config_path: str, what: str) -> None:
-  src = os.path.join(source_dir, "config.json") if source_dir else ""
-  if not src or not os.path.isfile(src):
+  if not source_dir:
     return
-  source = json.loads(_read_input(src, what))
+  source = json.loads(_read_input(os.path.join(source_dir, "config.json"), what))
   with open(config_path) as f:
     out = json.load(f)
   for k in SOURCE_CONTEXT_FIELDS:
@@ -338,8 +342,14 @@ def export_hf(params: Any, cfg: TrainConfig, out_dir: str, step: Optional[int] =
   transformers' *ForSequenceClassification refuses batches of more than one sequence. Every
   process takes part (a multi-host model is gathered); process 0 writes. Returns the family
   written. `inputs`: the run's fingerprints of the files it read ({field: {file name: digest}},
-  trainer/inputs.py): a tokenizer file among them gone since is an ExportInputError."""
+  trainer/inputs.py): a tokenizer file among them gone since is an ExportInputError, as is the
+  source checkpoint's config.json (the run read the model from it) and, of the actor's source,
+  a generation_config.json among them."""
   check_model_name(model)
+  source = source_checkpoint(cfg, model)
+  if source:  # (checkpoint.export_hf='auto' reads the family there: its FileNotFoundError was
+    # a failed write of the export, hooks.writing's "writing WORKDIR/hf_export failed", exit 3)
+    _read_input(os.path.join(source, "config.json"), _source_file(model))
   family = export_family(cfg, model)
   params = mesh_lib.to_host(params)
   if jax.process_index() != 0:
@@ -386,9 +396,11 @@ def _write_export(params: Any, cfg: TrainConfig, tmp: str, step: Optional[int],
                   inputs.get("init.tokenizer") or {})
   source = source_checkpoint(cfg, model)
   if source:  # its generation config, and its config.json's special ids
-    what = f"a file of the checkpoint config.init.{model}_checkpoint names"
+    what = _source_file(model)
+    # (the critic's generation config is read nowhere before: optional)
+    read = (inputs or {}).get("init.actor_checkpoint") or {} if model == "actor" else {}
     for name in CHECKPOINT_FILES:
-      if os.path.isfile(os.path.join(source, name)):
+      if os.path.isfile(os.path.join(source, name)) or name in read:
         wd.atomic_write_bytes(os.path.join(tmp, name),
                               _read_input(os.path.join(source, name), what))
     _keep_source_context(source, os.path.join(tmp, "config.json"), what)
