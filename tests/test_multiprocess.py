@@ -3,6 +3,7 @@ run as one process with 8 devices."""
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,10 +58,14 @@ def test_two_processes_match_one_process(tmp_path):
   they agreed, process 0 went on and both hung in their next collective); the same command
   then resumes to the end. Two iterations: the signal comes during iteration 1 (process 0 has
   logged its rollout; process 1 is past the set-up's agreement points, in the same iteration),
-  so both stop after iteration 1 and the resume restores and steps once."""
+  so both stop after iteration 1 and the resume restores and steps once. The resume also finds
+  one checkpoint more than checkpoint.keep (as a kill between orbax's commit of a save and its
+  delete of the oldest leaves): every process takes part in the start's trim (orbax's delete
+  waits for all), which removes it and goes on."""
   wd = str(tmp_path / "mp")
   env = subprocess_env(PYTHON=sys.executable)  # this interpreter, whatever `python` on PATH is
   cmd = ["bash", "launch/local_multiprocess.sh", "2", "4", wd, "--config.num_iterations=2",
+         "--config.checkpoint.keep=1",
          "--config.optim.offload_during_rollout=True", "--config.optim.zero1=True", *SMALL,
          *(f"--config.{k}={v}" for k, v in PIPELINED.items())]
   logs = lambda: "".join(open(f"{wd}.proc{i}.log").read()[-2000:] for i in range(2))
@@ -88,6 +93,8 @@ def test_two_processes_match_one_process(tmp_path):
   assert stopped == 1, logs()
   text = logs()
   assert "signal 15 reached another process" in text, text
+  checkpoints = os.path.join(wd, "checkpoints")
+  shutil.copytree(os.path.join(checkpoints, "1"), os.path.join(checkpoints, "0"))
   # The resume runs while this process computes the one-process reference (the launched
   # processes wait on each other's collectives much of the time: the two overlap).
   with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
@@ -101,6 +108,8 @@ def test_two_processes_match_one_process(tmp_path):
       if resume.poll() is None:
         resume.kill()
   assert f"resumed from checkpoint at iteration {stopped}" in open(f"{wd}.proc0.log").read()
+  assert "held 2 checkpoints, more than checkpoint.keep=1" in open(f"{wd}.proc0.log").read()
+  assert os.listdir(checkpoints) == ["2"]  # (0 trimmed at the start, 1 by orbax's save of 2)
   multi = wdlib.read_jsonl(metrics)
 
   # Only process 0 searched the fused schedule and wrote the cache (the one all ran), and the
