@@ -599,6 +599,22 @@ def test_out_dirs_of_the_other_model(tmp_path):
   assert not hf_export.export_pending(str(run), cfg, 4)
 
 
+def _export_refused(tmp_path, cfg, params, tok, read, gone: str, what: str) -> str:
+  """The run's HF export, `gone` (a file the run read, in `read`) removed since: an
+  ExportInputError naming it and `what` it is, and nothing of the export left. Returns the run's
+  workdir."""
+  run = str(tmp_path / "run")
+  os.makedirs(run)
+  with pytest.raises(hf_export.ExportInputError) as e:
+    hf_export.HFExport(run, cfg, lambda: params, tok, read).export(2)
+  assert str(e.value) == (
+      f"reading {gone} failed: FileNotFoundError: [Errno 2] No such file or directory; it is a "
+      f"file {what}, which the run read and its HF export copies: put it back (nothing of the "
+      "export is left)")
+  assert os.listdir(run) == []
+  return run
+
+
 def test_a_tokenizer_file_the_run_read_gone_at_the_export_is_named(tmp_path):
   """A file beside init.tokenizer that the run read as it started (special_tokens_map.json:
   the special tokens; tokenizer_config.json, the chat template, generation_config.json's EOS
@@ -614,15 +630,8 @@ def test_a_tokenizer_file_the_run_read_gone_at_the_export_is_named(tmp_path):
   read = inputs_lib.fingerprints(cfg)  # what the run's start records (hooks.Checkpoints)
   assert "special_tokens_map.json" in read["init.tokenizer"]
   os.remove(gone)
-  run = str(tmp_path / "run")
-  os.makedirs(run)
-  with pytest.raises(hf_export.ExportInputError) as e:
-    hf_export.HFExport(run, cfg, lambda: params, tok, read).export(2)
-  assert str(e.value) == (
-      f"reading {gone} failed: FileNotFoundError: [Errno 2] No such file or directory; it is a "
-      "file beside the tokenizer config.init.tokenizer names, which the run read and its HF "
-      "export copies: put it back (nothing of the export is left)")
-  assert os.listdir(run) == []
+  run = _export_refused(tmp_path, cfg, params, tok, read, gone,
+                        "beside the tokenizer config.init.tokenizer names")
   hf_export.HFExport(run, cfg, lambda: params, tok, inputs_lib.fingerprints(cfg)).export(2)
   out = os.path.join(run, hf_export.HF_EXPORT_DIR)
   assert "special_tokens_map.json" not in os.listdir(out)
@@ -651,12 +660,5 @@ def test_a_source_checkpoint_file_the_run_read_gone_at_the_export_is_named(tmp_p
   assert name in read["init.actor_checkpoint"]
   gone = os.path.join(source, name)
   os.remove(gone)
-  run = str(tmp_path / "run")
-  os.makedirs(run)
-  with pytest.raises(hf_export.ExportInputError) as e:
-    hf_export.HFExport(run, cfg, lambda: params, tok, read).export(2)
-  assert str(e.value) == (
-      f"reading {gone} failed: FileNotFoundError: [Errno 2] No such file or directory; it is a "
-      "file of the checkpoint config.init.actor_checkpoint names, which the run read and its HF "
-      "export copies: put it back (nothing of the export is left)")
-  assert os.listdir(run) == []
+  _export_refused(tmp_path, cfg, params, tok, read, gone,
+                  "of the checkpoint config.init.actor_checkpoint names")
