@@ -1684,11 +1684,15 @@ def test_an_input_gone_at_a_finished_run_s_hf_export_says_the_run_is_kept(tmp_pa
   cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint,
                                                                 export_hf="auto"))
   gone = str(tmp_path / "tok" / "tokenizer.json")
-  read = []  # the names of the tokenizer's files the run read, as the export is told them
+  told, export_hf = [], hf_export.export_hf  # the files the run read, as the export is told
 
-  def copy(c, t, out, names=None):
-    read.append(names)
+  def export(*args, inputs=None, **kwargs):
+    told.append(inputs)
+    return export_hf(*args, inputs=inputs, **kwargs)
+
+  def copy(c, t, out, names=()):
     hf_export._read_input(gone, "the tokenizer config.init.tokenizer names")
+  monkeypatch.setattr(hf_export, "export_hf", export)
   monkeypatch.setattr(hf_export, "_copy_tokenizer", copy)
   with pytest.raises(hf_export.ExportInputError) as e:
     PPOTrainer(cfg, run).run()
@@ -1697,7 +1701,7 @@ def test_an_input_gone_at_a_finished_run_s_hf_export_says_the_run_is_kept(tmp_pa
       "tokenizer config.init.tokenizer names, which the run read and its HF export copies: put "
       f"it back (nothing of the export is left){_FINISHED_2_KEPT}")
   assert not os.path.exists(os.path.join(run, "hf_export"))
-  assert read == [{}]  # known: none (the tiny run names no init.tokenizer), not None (unknown)
+  assert told == [{}]  # known: none (the tiny run names no input file), not None (unknown)
 
 
 def test_a_schedule_cache_that_cannot_be_written_is_said_and_the_run_goes_on(

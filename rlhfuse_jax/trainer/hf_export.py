@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Collection, Mapping, Optional
 
 import jax
 import numpy as np
@@ -111,16 +111,21 @@ def _write_json(path: str, obj: Any, **kwargs) -> None:
   wd.atomic_write_text(path, json.dumps(obj, indent=2, **kwargs))
 
 
+def _names_read(inputs: Optional[Mapping[str, Any]], field: str) -> Collection[str]:
+  """The names of the files under config `field` that the run read as it started, from its
+  fingerprints ({field: {file name: digest}}, trainer/inputs.py); none where not known."""
+  return ((inputs or {}).get(field) or {}).keys()
+
+
 def _copy_tokenizer(cfg: TrainConfig, tokenizer: Optional[Tokenizer], out: str,
-                    read: Optional[Mapping[str, Any]] = None) -> None:
+                    read: Collection[str] = ()) -> None:
   """The tokenizer the run read, as tokenizer.json, with the files beside it that it read too
   (tokenizer_config.json, special_tokens_map.json, chat_template.jinja); then a chat template
   given by path (data.chat_template), which is what the prompts were rendered with. A run on
   the synthetic task's tokenizer (no init.tokenizer) writes that one. `read`: the names of the
-  files beside it that the run read (its start's fingerprint of init.tokenizer, trainer/
-  inputs.py): one of them gone since is ExportInputError naming it, as tokenizer.json is (it
-  was left out of the export, silently: another special token or template than the run's);
-  None (not known): those there are copied."""
+  files beside it that the run read (_names_read): one of them gone since is
+  ExportInputError naming it, as tokenizer.json is (it was left out of the export, silently:
+  another special token or template than the run's); the others are copied if there."""
   tok = cfg.init.tokenizer
   if tok:
     path = tokenizer_lib.tokenizer_file(tok)
@@ -128,7 +133,7 @@ def _copy_tokenizer(cfg: TrainConfig, tokenizer: Optional[Tokenizer], out: str,
         path, "the tokenizer config.init.tokenizer names"))
     for name in TOKENIZER_FILES:
       src = os.path.join(os.path.dirname(path), name)
-      if name != "tokenizer.json" and (os.path.isfile(src) or name in (read or ())):
+      if name != "tokenizer.json" and (os.path.isfile(src) or name in read):
         data = _read_input(src, "a file beside the tokenizer config.init.tokenizer names")
         # The template as the run read it: without the byte-order mark chat.py drops, which
         # transformers would render before every prompt of the export.
@@ -392,13 +397,12 @@ def _write_export(params: Any, cfg: TrainConfig, tmp: str, step: Optional[int],
           "values (logits) are the critic's minus %.6g: add it back", bias, bias)
   if step is not None:
     wd.atomic_write_text(os.path.join(tmp, EXPORT_MARKER), json.dumps(marker))
-  _copy_tokenizer(cfg, tokenizer, tmp, None if inputs is None else
-                  inputs.get("init.tokenizer") or {})
+  _copy_tokenizer(cfg, tokenizer, tmp, _names_read(inputs, "init.tokenizer"))
   source = source_checkpoint(cfg, model)
   if source:  # its generation config, and its config.json's special ids
     what = _source_file(model)
     # (the critic's generation config is read nowhere before: optional)
-    read = (inputs or {}).get("init.actor_checkpoint") or {} if model == "actor" else {}
+    read = _names_read(inputs, "init.actor_checkpoint") if model == "actor" else ()
     for name in CHECKPOINT_FILES:
       if os.path.isfile(os.path.join(source, name)) or name in read:
         wd.atomic_write_bytes(os.path.join(tmp, name),
