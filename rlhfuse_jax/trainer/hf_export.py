@@ -247,8 +247,8 @@ def _source_file(model: str) -> str:
 
 
 def _keep_source_context(source_dir: str, config_path: str, what: str) -> None:
-  if not source_dir:
-    return
+  """SOURCE_CONTEXT_FIELDS of the source checkpoint in `source_dir` (its config.json, the run's
+  input `what`) written over those of the export's config.json at `config_path`."""
   source = json.loads(_read_input(os.path.join(source_dir, "config.json"), what))
   with open(config_path) as f:
     out = json.load(f)
