@@ -21,10 +21,13 @@ from rlhfuse_jax import workdir as wd
 # workdir.py --------------------------------------------------------------------------------------
 
 def test_appended_and_atomic_writes_reach_the_disk_before_they_return(tmp_path, monkeypatch):
-  """append_jsonl flushes and fsyncs its line (a crash loses at most that line), and an atomic
-  write fsyncs its temporary file before the rename, each fsync seeing the whole data written,
-  then the directory after the rename, with the new name in it (a power loss right after the
-  rename brought the old file back, or none)."""
+  """append_jsonl flushes and fsyncs its line (a crash loses at most that line), and the
+  directory after the line that created the file, with the new name in it (until 2026-12-07
+  never: a power loss could drop metrics.jsonl's entry, its synced rows with it), not after
+  every line (an fsync more per row); an atomic write fsyncs its temporary file before the
+  rename, each fsync seeing the whole data written, then the directory after the rename, with
+  the new name in it (a power loss right after the rename brought the old file back, or
+  none)."""
   synced = []
   real_fsync = os.fsync
 
@@ -36,9 +39,9 @@ def test_appended_and_atomic_writes_reach_the_disk_before_they_return(tmp_path, 
   path = tmp_path / "metrics.jsonl"
   wd.append_jsonl(str(path), {"step": 1})
   wd.append_jsonl(str(path), {"step": 2})
-  assert synced == [len('{"step": 1}\n'), 2 * len('{"step": 1}\n')]
+  assert synced == [len('{"step": 1}\n'), ["metrics.jsonl"], 2 * len('{"step": 1}\n')]
   wd.write_json(str(tmp_path / "result.json"), {"a": 1})
-  assert synced[2:] == [os.path.getsize(tmp_path / "result.json"),
+  assert synced[3:] == [os.path.getsize(tmp_path / "result.json"),
                         ["metrics.jsonl", "result.json"]]
 
 
