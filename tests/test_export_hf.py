@@ -599,18 +599,18 @@ def test_out_dirs_of_the_other_model(tmp_path):
   assert not hf_export.export_pending(str(run), cfg, 4)
 
 
-def _export_refused(tmp_path, cfg, params, tok, read, gone: str, what: str) -> str:
-  """The run's HF export, `gone` (a file the run read, in `read`) removed since: an
-  ExportInputError naming it and `what` it is, and nothing of the export left. Returns the run's
-  workdir."""
+def _export_refused(tmp_path, cfg, params, tok, read, gone: str, what: str,
+                    error: str = "FileNotFoundError: [Errno 2] No such file or directory") -> str:
+  """The run's HF export, `gone` (a file the run read, in `read`) removed since (or failing to
+  read with `error`): an ExportInputError naming it and `what` it is, and nothing of the export
+  left. Returns the run's workdir."""
   run = str(tmp_path / "run")
-  os.makedirs(run)
+  os.makedirs(run, exist_ok=True)
   with pytest.raises(hf_export.ExportInputError) as e:
     hf_export.HFExport(run, cfg, lambda: params, tok, read).export(2)
   assert str(e.value) == (
-      f"reading {gone} failed: FileNotFoundError: [Errno 2] No such file or directory; it is a "
-      f"file {what}, which the run read and its HF export copies: put it back (nothing of the "
-      "export is left)")
+      f"reading {gone} failed: {error}; it is {what}, which the run read and its HF export "
+      "copies: put it back (nothing of the export is left)")
   assert os.listdir(run) == []
   return run
 
@@ -631,7 +631,7 @@ def test_a_tokenizer_file_the_run_read_gone_at_the_export_is_named(tmp_path):
   assert "special_tokens_map.json" in read["init.tokenizer"]
   os.remove(gone)
   run = _export_refused(tmp_path, cfg, params, tok, read, gone,
-                        "beside the tokenizer config.init.tokenizer names")
+                        "a file beside the tokenizer config.init.tokenizer names")
   hf_export.HFExport(run, cfg, lambda: params, tok, inputs_lib.fingerprints(cfg)).export(2)
   out = os.path.join(run, hf_export.HF_EXPORT_DIR)
   assert "special_tokens_map.json" not in os.listdir(out)
@@ -661,4 +661,36 @@ def test_a_source_checkpoint_file_the_run_read_gone_at_the_export_is_named(tmp_p
   gone = os.path.join(source, name)
   os.remove(gone)
   _export_refused(tmp_path, cfg, params, tok, read, gone,
-                  "of the checkpoint config.init.actor_checkpoint names")
+                  "a file of the checkpoint config.init.actor_checkpoint names")
+
+
+def test_a_chat_template_file_that_does_not_read_at_the_export_is_the_run_s_input(
+    tmp_path, monkeypatch):
+  """data.chat_template's file (every prompt was rendered with it; the export writes it as its
+  chat_template.jinja) unreadable at the export (no permission: chmod 000 stops no root, so
+  open() is refused here) was "...: cannot read the chat template (...)", a ChatTemplateError
+  naming no field, and a directory in its place "the directory holds no chat_template.jinja",
+  a template error; neither had the run's end say that nothing of it was lost. Now each is an
+  ExportInputError naming the file and config.data.chat_template, as a tokenizer file gone
+  is, and nothing of the export is left; the unreadable one also without the run's
+  fingerprints (a file is there). Once it reads, the export is written."""
+  from rlhfuse_jax.trainer import inputs as inputs_lib
+  from tests.test_faults import _hf_export_inputs, _unreadable
+  cfg, tok, params = _hf_export_inputs(tmp_path)
+  template = cfg.data.chat_template
+  read = inputs_lib.fingerprints(cfg)  # what the run's start records (hooks.Checkpoints)
+  assert list(read["data.chat_template"]) == [os.path.basename(template)]
+  what = "the chat template config.data.chat_template names"
+  for inputs in (read, None):
+    with monkeypatch.context() as m:
+      _unreadable(m, template)
+      _export_refused(tmp_path, cfg, params, tok, inputs, template, what,
+                      "PermissionError: [Errno 13] Permission denied")
+  os.rename(template, template + ".aside")
+  os.makedirs(template)
+  run = _export_refused(tmp_path, cfg, params, tok, read, template, what,
+                        "IsADirectoryError: [Errno 21] Is a directory")
+  os.rmdir(template)
+  os.rename(template + ".aside", template)
+  hf_export.HFExport(run, cfg, lambda: params, tok, read).export(2)
+  assert hf_export.exported_step(os.path.join(run, hf_export.HF_EXPORT_DIR)) == 2

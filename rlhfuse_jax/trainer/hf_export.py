@@ -87,10 +87,11 @@ def check_family(cfg: TrainConfig, model: str = "actor") -> None:
 
 class ExportInputError(ValueError):
   """A file of the run's inputs that the HF export copies or reads (init.tokenizer's
-  tokenizer.json and the files beside it, the source checkpoint's generation_config.json and
-  config.json) could not be read: moved or deleted since the run read it. Not a failed write of
-  the export (hooks.writing: LogWriteError, exit 3, "writing ... failed", which named the
-  missing tokenizer as if the export wrote it): a file to put back (exit 1, one line)."""
+  tokenizer.json and the files beside it, the chat template data.chat_template names, the
+  source checkpoint's generation_config.json and config.json) could not be read: moved or
+  deleted since the run read it, no longer readable, a directory in its place. Not a failed
+  write of the export (hooks.writing: LogWriteError, exit 3, "writing ... failed", which named
+  the missing tokenizer as if the export wrote it): a file to put back (exit 1, one line)."""
 
 
 def _read_input(path: str, what: str) -> bytes:
@@ -103,6 +104,24 @@ def _read_input(path: str, what: str) -> bytes:
     raise ExportInputError(
         f"reading {e.filename or path} failed: {wd.os_error_text(e)}; it is {what}, which the "
         "run read and its HF export copies: put it back (nothing of the export is left)") from e
+
+
+# What data.chat_template names, in an ExportInputError (_read_input).
+TEMPLATE_INPUT = "the chat template config.data.chat_template names"
+
+
+def _check_template_file(cfg: TrainConfig, inputs: Optional[Mapping[str, Any]]) -> None:
+  """ExportInputError when data.chat_template names a template file that the run read (its
+  fingerprints name it; without them: one there now) and that does not read now: no permission,
+  an I/O error, a directory in its place, gone. ChatTemplate.load said "cannot read the chat
+  template" naming no field (a directory: "holds no chat_template.jinja"), and the run's end
+  left out that nothing of it was lost (trainer/loop.py adds that to an ExportInputError)."""
+  spec = cfg.data.chat_template
+  if spec in ("none", "auto"):
+    return
+  if os.path.isfile(spec) or os.path.basename(os.path.normpath(spec)) in _names_read(
+      inputs, "data.chat_template"):
+    _read_input(spec, TEMPLATE_INPUT)
 
 
 def _write_json(path: str, obj: Any, **kwargs) -> None:
@@ -348,13 +367,15 @@ def export_hf(params: Any, cfg: TrainConfig, out_dir: str, step: Optional[int] =
   process takes part (a multi-host model is gathered); process 0 writes. Returns the family
   written. `inputs`: the run's fingerprints of the files it read ({field: {file name: digest}},
   trainer/inputs.py): a tokenizer file among them gone since is an ExportInputError, as is the
-  source checkpoint's config.json (the run read the model from it) and, of the actor's source,
-  a generation_config.json among them."""
+  source checkpoint's config.json (the run read the model from it), the chat template file (one
+  that does not read: _check_template_file) and, of the actor's source, a
+  generation_config.json among them."""
   check_model_name(model)
   source = source_checkpoint(cfg, model)
   if source:  # (checkpoint.export_hf='auto' reads the family there: its FileNotFoundError was
     # a failed write of the export, hooks.writing's "writing WORKDIR/hf_export failed", exit 3)
     _read_input(os.path.join(source, "config.json"), _source_file(model))
+  _check_template_file(cfg, inputs)  # (here too: on every process, before the gather)
   family = export_family(cfg, model)
   params = mesh_lib.to_host(params)
   if jax.process_index() != 0:
