@@ -604,10 +604,11 @@ def keep_jsonl_through(path: str, step: int, rows: bool = True) -> list:
 
 class ReadError(ValueError):
   """A file of the run's records that could not be read (a JSONL log: no permission, an I/O
-  error, a directory in its place), named: a file to put right (config_files.run: exit 1, one
-  line), not a traceback. Not an OSError, so that hooks.writing around a read before a write
-  (a start dropping metrics.jsonl's rows after its checkpoint) does not report it as a failed
-  write ("writing metrics.jsonl failed", exit 3: a full disk, where nothing was written)."""
+  error, a directory in its place), or of its inputs (trainer/inputs.py hashes them at every
+  start), named: a file to put right (config_files.run: exit 1, one line), not a traceback.
+  Not an OSError, so that hooks.writing around a read before a write (a start dropping
+  metrics.jsonl's rows after its checkpoint) does not report it as a failed write ("writing
+  metrics.jsonl failed", exit 3: a full disk, where nothing was written)."""
 
 
 def _jsonl_rows(path: str):

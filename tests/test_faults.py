@@ -1410,20 +1410,46 @@ def test_a_full_disk_at_the_hf_export_says_the_finished_run_is_kept(tmp_path, mo
   """checkpoint.export_hf on a full disk at the end of the run ended it with the bare OSError
   (train_ppo: exit 1, a traceback): now a SaveError (exit 3) naming the export and saying that
   the finished run lost nothing and that the same command writes the export again, which it
-  does, training nothing."""
+  does, training nothing. Both exports, the run's own and the re-run's, are given the
+  fingerprints that their start took of the files the run read (here its data.chat_template:
+  the export checks a file of them gone or unreadable since, _check_template_file), not None
+  (unknown: the check passes over a directory in the template's place); until 2026-12-07 only
+  the re-run's were checked. A re-run that cannot read the template stops as it starts (it
+  hashes its inputs), naming the file and the field: it was the bare PermissionError."""
   from rlhfuse_jax.trainer import hf_export
-  run = str(tmp_path / "run")
-  cfg = tiny_config(num_iterations=2, **{"checkpoint.export_hf": "auto"})
-  _full_disk_under(monkeypatch, hf_export.export_work_dirs(os.path.join(run, "hf_export"))[0])
-  with pytest.raises(checkpointing.SaveError) as e:
-    PPOTrainer(cfg, run).run()
+  from rlhfuse_jax.trainer import inputs as inputs_lib
+  run, template = str(tmp_path / "run"), str(tmp_path / "t.jinja")
+  with open(template, "w") as f:
+    f.write("{{ messages[0]['content'] }}")  # (the synthetic task's prompts, as they were)
+  cfg = tiny_config(num_iterations=2, **{"checkpoint.export_hf": "auto",
+                                         "data.chat_template": template})
+  read = inputs_lib.fingerprints(cfg)
+  assert list(read) == ["data.chat_template"]
+  told, export_hf = [], hf_export.export_hf
+
+  def export(*args, inputs=None, **kwargs):
+    told.append(inputs)
+    return export_hf(*args, inputs=inputs, **kwargs)
+  monkeypatch.setattr(hf_export, "export_hf", export)
+  with monkeypatch.context() as m:
+    _full_disk_under(m, hf_export.export_work_dirs(os.path.join(run, "hf_export"))[0])
+    with pytest.raises(checkpointing.SaveError) as e:
+      PPOTrainer(cfg, run).run()
   assert str(e.value) == _finished_run_write_failed(f"{run}/hf_export")
   assert not os.path.exists(os.path.join(run, "hf_export"))
-  monkeypatch.undo()
+  with monkeypatch.context() as m:
+    _unreadable(m, template)
+    with pytest.raises(wd.ReadError) as e:
+      PPOTrainer(cfg, run)
+  assert str(e.value) == (
+      f"reading {template} failed: PermissionError: [Errno 13] Permission denied; it is a file "
+      f"config.data.chat_template={template!r} names, which every start of the run reads (its "
+      "content is checked against the checkpoints'): make it readable")
   redo = PPOTrainer(cfg, run)
   assert redo.export_only and redo.run() == []
   assert hf_export.exported_step(os.path.join(run, "hf_export")) == 2
   assert [r["step"] for r in wd.read_jsonl(os.path.join(run, "metrics.jsonl"))] == [1, 2]
+  assert told == [read, read]
 
 
 def _hf_export_inputs(tmp_path):

@@ -31,6 +31,7 @@ from typing import Any, Mapping, Optional
 
 from absl import logging
 
+from rlhfuse_jax import workdir as wd
 from rlhfuse_jax.data import tokenizer as tokenizer_lib
 
 # The config fields that name files the run reads, and what each one's content decides.
@@ -105,9 +106,20 @@ def _read_files(field: str, path: str) -> list[str]:
 
 def content_fingerprint(field: str, path: str) -> Optional[dict[str, str]]:
   """{file name: digest} of what config.`field`=`path` makes the run read (see the module
-  docstring); None when there is nothing there (the run's own checks name a missing input)."""
-  files = _read_files(field, path)
-  return {os.path.basename(f): _file_digest(f) for f in files} if files else None
+  docstring); None when there is nothing there (the run's own checks name a missing input).
+  A file there that does not read (no permission, an I/O error) is workdir.ReadError naming it
+  and the field: every start hashes its inputs first, and a finished run's re-run stopped on
+  the bare PermissionError, naming no field (2026-12-07)."""
+  out = {}
+  for f in _read_files(field, path):
+    try:
+      out[os.path.basename(f)] = _file_digest(f)
+    except OSError as e:
+      raise wd.ReadError(
+          f"reading {e.filename or f} failed: {wd.os_error_text(e)}; it is a file "
+          f"config.{field}={path!r} names, which every start of the run reads (its content is "
+          "checked against the checkpoints'): make it readable") from e
+  return out or None
 
 
 def fingerprints(cfg: Any) -> dict[str, dict[str, str]]:
