@@ -670,10 +670,11 @@ def test_a_chat_template_file_that_does_not_read_at_the_export_is_the_run_s_inpu
   chat_template.jinja) unreadable at the export (no permission: chmod 000 stops no root, so
   open() is refused here) was "...: cannot read the chat template (...)", a ChatTemplateError
   naming no field, and a directory in its place "the directory holds no chat_template.jinja",
-  a template error; neither had the run's end say that nothing of it was lost. Now each is an
-  ExportInputError naming the file and config.data.chat_template, as a tokenizer file gone
-  is, and nothing of the export is left; the unreadable one also without the run's
-  fingerprints (a file is there). Once it reads, the export is written."""
+  a template error, and one gone "config.data.chat_template=...: no such file or directory";
+  none had the run's end say that nothing of it was lost. Now each is an ExportInputError
+  naming the file and config.data.chat_template, as a tokenizer file gone is, and nothing of
+  the export is left; the unreadable one also without the run's fingerprints (a file is
+  there). Once it reads, the export is written."""
   from rlhfuse_jax.trainer import inputs as inputs_lib
   from tests.test_faults import _hf_export_inputs, _unreadable
   cfg, tok, params = _hf_export_inputs(tmp_path)
@@ -690,7 +691,8 @@ def test_a_chat_template_file_that_does_not_read_at_the_export_is_the_run_s_inpu
   os.makedirs(template)
   run = _export_refused(tmp_path, cfg, params, tok, read, template, what,
                         "IsADirectoryError: [Errno 21] Is a directory")
-  os.rmdir(template)
+  os.rmdir(template)  # gone: ChatTemplateError's "no such file or directory" before, as above
+  _export_refused(tmp_path, cfg, params, tok, read, template, what)
   os.rename(template + ".aside", template)
   hf_export.HFExport(run, cfg, lambda: params, tok, read).export(2)
   assert hf_export.exported_step(os.path.join(run, hf_export.HF_EXPORT_DIR)) == 2
