@@ -96,14 +96,16 @@ class ExportInputError(ValueError):
 
 def _read_input(path: str, what: str) -> bytes:
   """The bytes of `path`, the run's input `what` (which config field names it); an OSError
-  reading it as ExportInputError naming both."""
+  reading it as ExportInputError naming both, and what to do: put a gone file back, make one
+  that is there readable (it said "put it back" for a file refused by its permissions too)."""
   try:
     with open(path, "rb") as f:
       return f.read()
   except OSError as e:
+    fix = "put it back" if isinstance(e, FileNotFoundError) else "make it readable"
     raise ExportInputError(
         f"reading {e.filename or path} failed: {wd.os_error_text(e)}; it is {what}, which the "
-        "run read and its HF export copies: put it back (nothing of the export is left)") from e
+        f"run read and its HF export copies: {fix} (nothing of the export is left)") from e
 
 
 # What data.chat_template names, in an ExportInputError (_read_input).
