@@ -219,7 +219,8 @@ def test_an_export_fills_null_special_ids_and_starts_from_an_empty_directory(tmp
   for kept in ("hf_export.old", "hf_export.tmp"):
     (tmp_path / kept).mkdir()
     (tmp_path / kept / "notes.txt").write_text("mine")
-  cfg = types.SimpleNamespace(model=None, init=types.SimpleNamespace(actor_checkpoint=""))
+  cfg = types.SimpleNamespace(model=None, init=types.SimpleNamespace(actor_checkpoint=""),
+                              data=types.SimpleNamespace(chat_template="none"))
   tok = types.SimpleNamespace(bos_id=1, eos_id=2, pad_id=0, extra_eos_ids=(), stop_ids=(2,))
   hf_export.export_hf({}, cfg, str(out), step=3, tokenizer=tok)
   assert sorted(os.listdir(out)) == ["config.json", hf_export.EXPORT_MARKER]
