@@ -697,3 +697,39 @@ def test_a_chat_template_file_that_does_not_read_at_the_export_is_the_run_s_inpu
   os.rename(template + ".aside", template)
   hf_export.HFExport(run, cfg, lambda: params, tok, read).export(2)
   assert hf_export.exported_step(os.path.join(run, hf_export.HF_EXPORT_DIR)) == 2
+
+
+def test_a_chat_template_directory_s_file_that_does_not_read_at_the_export_is_the_run_s_input(
+    tmp_path, monkeypatch):
+  """data.chat_template given as a directory (chat.py renders with its chat_template.jinja,
+  else its tokenizer_config.json's entry): its chat_template.jinja, which the run read (its
+  fingerprints name it), gone at the export was passed over, and the export shipped the
+  tokenizer_config.json's template, one the run never rendered a prompt with, silently
+  (2026-12-08); unreadable, a ChatTemplateError naming no field. Now each is an
+  ExportInputError naming the file and config.data.chat_template, as a template file's is, and
+  nothing of the export is left; the unreadable one also without the run's fingerprints."""
+  from rlhfuse_jax.trainer import inputs as inputs_lib
+  from tests.test_faults import _hf_export_inputs, _unreadable
+  cfg, tok, params = _hf_export_inputs(tmp_path)
+  directory = tmp_path / "template"
+  directory.mkdir()
+  (directory / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+  (directory / "tokenizer_config.json").write_text(
+      json.dumps({"chat_template": "other {{ messages[0]['content'] }}"}))
+  cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data,
+                                                          chat_template=str(directory)))
+  read = inputs_lib.fingerprints(cfg)
+  assert sorted(read["data.chat_template"]) == ["chat_template.jinja", "tokenizer_config.json"]
+  template = str(directory / "chat_template.jinja")
+  what = "a file of the chat template directory config.data.chat_template names"
+  for inputs in (read, None):
+    with monkeypatch.context() as m:
+      _unreadable(m, template)
+      _export_refused(tmp_path, cfg, params, tok, inputs, template, what,
+                      "PermissionError: [Errno 13] Permission denied")
+  os.rename(template, template + ".aside")
+  run = _export_refused(tmp_path, cfg, params, tok, read, template, what)
+  os.rename(template + ".aside", template)
+  hf_export.HFExport(run, cfg, lambda: params, tok, read).export(2)
+  with open(os.path.join(run, hf_export.HF_EXPORT_DIR, "chat_template.jinja")) as f:
+    assert f.read() == "{{ messages[0]['content'] }}"

@@ -108,8 +108,10 @@ def _read_input(path: str, what: str) -> bytes:
         f"run read and its HF export copies: {fix} (nothing of the export is left)") from e
 
 
-# What data.chat_template names, in an ExportInputError (_read_input).
+# What data.chat_template names, in an ExportInputError (_read_input): a template file, or a
+# directory's file that holds it.
 TEMPLATE_INPUT = "the chat template config.data.chat_template names"
+TEMPLATE_DIR_INPUT = "a file of the chat template directory config.data.chat_template names"
 
 
 def _check_template_file(cfg: TrainConfig, inputs: Optional[Mapping[str, Any]]) -> None:
@@ -117,13 +119,23 @@ def _check_template_file(cfg: TrainConfig, inputs: Optional[Mapping[str, Any]]) 
   fingerprints name it; without them: one there now) and that does not read now: no permission,
   an I/O error, a directory in its place, gone. ChatTemplate.load said "cannot read the chat
   template" naming no field (a directory: "holds no chat_template.jinja"), and the run's end
-  left out that nothing of it was lost (trainer/loop.py adds that to an ExportInputError)."""
+  left out that nothing of it was lost (trainer/loop.py adds that to an ExportInputError).
+  A directory's template likewise: its chat_template.jinja, else its tokenizer_config.json (the
+  first of them read, as chat.py's _find_template picks); its chat_template.jinja gone was
+  passed over and the export shipped the tokenizer_config.json's template, silently: one the
+  run never rendered a prompt with (2026-12-08)."""
   spec = cfg.data.chat_template
   if spec in ("none", "auto"):
     return
-  if os.path.isfile(spec) or os.path.basename(os.path.normpath(spec)) in _names_read(
-      inputs, "data.chat_template"):
+  read = _names_read(inputs, "data.chat_template")
+  if os.path.isfile(spec) or os.path.basename(os.path.normpath(spec)) in read:
     _read_input(spec, TEMPLATE_INPUT)
+  elif os.path.isdir(spec):
+    for name in (chat_lib.TEMPLATE_FILE, chat_lib.CONFIG_FILE):
+      path = os.path.join(spec, name)
+      if name in read or os.path.isfile(path):
+        _read_input(path, TEMPLATE_DIR_INPUT)
+        return
 
 
 def _write_json(path: str, obj: Any, **kwargs) -> None:
