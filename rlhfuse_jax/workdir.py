@@ -524,21 +524,18 @@ def _naming(path: str):
 
 def append_jsonl(path: str, record: Mapping[str, Any]) -> None:
   """Appends one JSON object as one line (flushed and fsynced: a crash loses at most this line).
-  The line that creates the file fsyncs its directory too, so that the file's name survives a
-  power loss with its rows (until 2026-12-07 the first row of metrics.jsonl could be synced and
-  its directory entry not); later lines do not (an fsync more per row, for a name on disk)."""
+  The line written to an empty file (the one that creates it, or follows a first line whose
+  write failed) fsyncs its directory too, so that the file's name survives a power loss with
+  its rows (until 2026-12-07 the first row of metrics.jsonl could be synced and its directory
+  entry not); later lines do not (an fsync more per row, for a name on disk)."""
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
-  with _naming(path):
-    try:
-      f, created = open(path, "x"), True  # (exclusive: created by this call, not found empty)
-    except FileExistsError:
-      f, created = open(path, "a"), False
-  with _naming(path), f:
+  with _naming(path), open(path, "a") as f:
+    first = f.tell() == 0  # (append mode opens at the end)
     f.write(json.dumps(_to_jsonable(record)) + "\n")
     f.flush()
     os.fsync(f.fileno())
-  if created:
+  if first:
     with _naming(path):
       fsync_directory(directory)
 

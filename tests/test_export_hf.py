@@ -608,7 +608,7 @@ def _export_refused(tmp_path, cfg, params, tok, read, gone: str, what: str,
   os.makedirs(run, exist_ok=True)
   with pytest.raises(hf_export.ExportInputError) as e:
     hf_export.HFExport(run, cfg, lambda: params, tok, read).export(2)
-  fix = "put it back" if error.startswith("FileNotFoundError") else "make it readable"
+  fix = "make it readable" if error.startswith("PermissionError") else "put it back"
   assert str(e.value) == (
       f"reading {gone} failed: {error}; it is {what}, which the run read and its HF export "
       f"copies: {fix} (nothing of the export is left)")

@@ -1442,9 +1442,10 @@ def test_a_full_disk_at_the_hf_export_says_the_finished_run_is_kept(tmp_path, mo
     with pytest.raises(wd.ReadError) as e:
       PPOTrainer(cfg, run)
   assert str(e.value) == (
-      f"reading {template} failed: PermissionError: [Errno 13] Permission denied; it is a file "
-      f"config.data.chat_template={template!r} names, which every start of the run reads (its "
-      "content is checked against the checkpoints'): make it readable")
+      f"reading {template} failed: PermissionError: [Errno 13] Permission denied; "
+      f"config.data.chat_template={template!r} names it, and its content is fingerprinted (a "
+      "run's starts check it against their checkpoints'; plan files, against the run they "
+      "plan): make it readable")
   redo = PPOTrainer(cfg, run)
   assert redo.export_only and redo.run() == []
   assert hf_export.exported_step(os.path.join(run, "hf_export")) == 2

@@ -43,6 +43,17 @@ def test_appended_and_atomic_writes_reach_the_disk_before_they_return(tmp_path, 
   wd.write_json(str(tmp_path / "result.json"), {"a": 1})
   assert synced[3:] == [os.path.getsize(tmp_path / "result.json"),
                         ["metrics.jsonl", "result.json"]]
+  # A first line that did not reach the file (its write refused: a full disk) created it: the
+  # next line, the first in it, syncs the directory (the file found there skipped it).
+  del synced[:]
+  samples = tmp_path / "samples.jsonl"
+  with monkeypatch.context() as m:
+    m.setattr(wd.json, "dumps", lambda obj: (_ for _ in ()).throw(OSError(28, "No space")))
+    with pytest.raises(OSError):
+      wd.append_jsonl(str(samples), {"step": 1})
+  assert samples.read_text() == "" and synced == []
+  wd.append_jsonl(str(samples), {"step": 1})
+  assert synced == [len('{"step": 1}\n'), ["metrics.jsonl", "result.json", "samples.jsonl"]]
 
 
 def test_a_workdir_lock_names_only_its_current_holder(tmp_path):

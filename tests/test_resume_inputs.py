@@ -558,3 +558,31 @@ def test_a_new_path_with_files_an_unread_input_is_not_named_missing(tmp_path):
   changes = ["reward.kind: 'model' -> 'function'",
              f"reward.model_checkpoint: {str(model)!r} -> {str(moved)!r}"]
   assert inputs.resume_changes(changes, saved, fresh, 5) == (changes, [])
+
+
+def test_an_input_a_start_cannot_list_or_read_is_a_read_error_naming_the_field(tmp_path,
+                                                                                monkeypatch):
+  """Every start fingerprints its input files first. A checkpoint directory it cannot list (no
+  read permission: os.listdir refused; chmod stops no root, so it is refused here) was a bare
+  PermissionError naming no field, as a file it cannot read was until 2026-12-07 (faults7):
+  now both are workdir.ReadError naming the path and config.<field>, and saying what to do."""
+  from rlhfuse_jax import workdir as wd
+  ckpt = tmp_path / "ckpt"
+  ckpt.mkdir()
+  (ckpt / "config.json").write_text("{}")
+  listdir = os.listdir
+
+  def refused(path):
+    if os.path.abspath(path) == str(ckpt):
+      raise PermissionError(13, "Permission denied", str(path))
+    return listdir(path)
+  with monkeypatch.context() as m:
+    m.setattr(inputs.os, "listdir", refused)
+    with pytest.raises(wd.ReadError) as e:
+      inputs.content_fingerprint("init.actor_checkpoint", str(ckpt))
+  assert str(e.value) == (
+      f"reading {ckpt} failed: PermissionError: [Errno 13] Permission denied; "
+      f"config.init.actor_checkpoint={str(ckpt)!r} names it, and its content is fingerprinted "
+      "(a run's starts check it against their checkpoints'; plan files, against the run they "
+      "plan): make it readable")
+  assert list(inputs.content_fingerprint("init.actor_checkpoint", str(ckpt))) == ["config.json"]

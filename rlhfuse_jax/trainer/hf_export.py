@@ -96,13 +96,13 @@ class ExportInputError(ValueError):
 
 def _read_input(path: str, what: str) -> bytes:
   """The bytes of `path`, the run's input `what` (which config field names it); an OSError
-  reading it as ExportInputError naming both, and what to do: put a gone file back, make one
-  that is there readable (it said "put it back" for a file refused by its permissions too)."""
+  reading it as ExportInputError naming both, and what to do: make a file its permissions
+  refuse readable, else put it back (gone, a directory in its place, an I/O error)."""
   try:
     with open(path, "rb") as f:
       return f.read()
   except OSError as e:
-    fix = "put it back" if isinstance(e, FileNotFoundError) else "make it readable"
+    fix = "make it readable" if isinstance(e, PermissionError) else "put it back"
     raise ExportInputError(
         f"reading {e.filename or path} failed: {wd.os_error_text(e)}; it is {what}, which the "
         f"run read and its HF export copies: {fix} (nothing of the export is left)") from e

@@ -111,14 +111,14 @@ def content_fingerprint(field: str, path: str) -> Optional[dict[str, str]]:
   and the field: every start hashes its inputs first, and a finished run's re-run stopped on
   the bare PermissionError, naming no field (2026-12-07)."""
   out = {}
-  for f in _read_files(field, path):
-    try:
+  try:  # (listing a checkpoint directory too: one without read permission was the bare error)
+    for f in _read_files(field, path):
       out[os.path.basename(f)] = _file_digest(f)
-    except OSError as e:
-      raise wd.ReadError(
-          f"reading {e.filename or f} failed: {wd.os_error_text(e)}; it is a file "
-          f"config.{field}={path!r} names, which every start of the run reads (its content is "
-          "checked against the checkpoints'): make it readable") from e
+  except OSError as e:
+    raise wd.ReadError(
+        f"reading {e.filename or path} failed: {wd.os_error_text(e)}; config.{field}={path!r} "
+        "names it, and its content is fingerprinted (a run's starts check it against their "
+        "checkpoints'; plan files, against the run they plan): make it readable") from e
   return out or None
 
 
