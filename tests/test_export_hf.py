@@ -665,6 +665,18 @@ def test_a_source_checkpoint_file_the_run_read_gone_at_the_export_is_named(tmp_p
                   "a file of the checkpoint config.init.actor_checkpoint names")
 
 
+def _unreadable_refused(tmp_path, monkeypatch, cfg, params, tok, read, template: str,
+                        what: str) -> None:
+  """_export_refused with `template` refused by its permissions, with the run's fingerprints
+  `read` and without them (a file is there: checked all the same)."""
+  from tests.test_faults import _unreadable
+  for inputs in (read, None):
+    with monkeypatch.context() as m:
+      _unreadable(m, template)
+      _export_refused(tmp_path, cfg, params, tok, inputs, template, what,
+                      "PermissionError: [Errno 13] Permission denied")
+
+
 def test_a_chat_template_file_that_does_not_read_at_the_export_is_the_run_s_input(
     tmp_path, monkeypatch):
   """data.chat_template's file (every prompt was rendered with it; the export writes it as its
@@ -677,17 +689,13 @@ def test_a_chat_template_file_that_does_not_read_at_the_export_is_the_run_s_inpu
   the export is left; the unreadable one also without the run's fingerprints (a file is
   there). Once it reads, the export is written."""
   from rlhfuse_jax.trainer import inputs as inputs_lib
-  from tests.test_faults import _hf_export_inputs, _unreadable
+  from tests.test_faults import _hf_export_inputs
   cfg, tok, params = _hf_export_inputs(tmp_path)
   template = cfg.data.chat_template
   read = inputs_lib.fingerprints(cfg)  # what the run's start records (hooks.Checkpoints)
   assert list(read["data.chat_template"]) == [os.path.basename(template)]
   what = "the chat template config.data.chat_template names"
-  for inputs in (read, None):
-    with monkeypatch.context() as m:
-      _unreadable(m, template)
-      _export_refused(tmp_path, cfg, params, tok, inputs, template, what,
-                      "PermissionError: [Errno 13] Permission denied")
+  _unreadable_refused(tmp_path, monkeypatch, cfg, params, tok, read, template, what)
   os.rename(template, template + ".aside")
   os.makedirs(template)
   run = _export_refused(tmp_path, cfg, params, tok, read, template, what,
@@ -709,7 +717,7 @@ def test_a_chat_template_directory_s_file_that_does_not_read_at_the_export_is_th
   ExportInputError naming the file and config.data.chat_template, as a template file's is, and
   nothing of the export is left; the unreadable one also without the run's fingerprints."""
   from rlhfuse_jax.trainer import inputs as inputs_lib
-  from tests.test_faults import _hf_export_inputs, _unreadable
+  from tests.test_faults import _hf_export_inputs
   cfg, tok, params = _hf_export_inputs(tmp_path)
   directory = tmp_path / "template"
   directory.mkdir()
@@ -722,11 +730,7 @@ def test_a_chat_template_directory_s_file_that_does_not_read_at_the_export_is_th
   assert sorted(read["data.chat_template"]) == ["chat_template.jinja", "tokenizer_config.json"]
   template = str(directory / "chat_template.jinja")
   what = "a file of the chat template directory config.data.chat_template names"
-  for inputs in (read, None):
-    with monkeypatch.context() as m:
-      _unreadable(m, template)
-      _export_refused(tmp_path, cfg, params, tok, inputs, template, what,
-                      "PermissionError: [Errno 13] Permission denied")
+  _unreadable_refused(tmp_path, monkeypatch, cfg, params, tok, read, template, what)
   os.rename(template, template + ".aside")
   run = _export_refused(tmp_path, cfg, params, tok, read, template, what)
   os.rename(template + ".aside", template)
