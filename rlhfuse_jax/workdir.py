@@ -509,6 +509,13 @@ def os_error_text(e: OSError) -> str:
   return f"{type(e).__name__}: {cause}"
 
 
+def read_failed(e: OSError, path: str) -> str:
+  """How the one line of a failed read of the run's records or inputs begins (ReadError,
+  trainer/inputs.py, hf_export.ExportInputError): `reading FILE failed: OSError: ...`, FILE the
+  one the error names, else `path`."""
+  return f"reading {e.filename or path} failed: {os_error_text(e)}"
+
+
 @contextlib.contextmanager
 def _naming(path: str):
   """Re-raises an OSError that names no file (a write's or fsync's ENOSPC) or a temp file as
@@ -618,7 +625,7 @@ def _jsonl_rows(path: str):
   try:
     yield from _jsonl_lines(path)
   except OSError as e:  # (a generator's own: a consumer's errors never come back into it)
-    raise ReadError(f"reading {e.filename or path} failed: {os_error_text(e)}") from e
+    raise ReadError(read_failed(e, path)) from e
 
 
 def _jsonl_lines(path: str):

@@ -104,8 +104,8 @@ def _read_input(path: str, what: str) -> bytes:
   except OSError as e:
     fix = "make it readable" if isinstance(e, PermissionError) else "put it back"
     raise ExportInputError(
-        f"reading {e.filename or path} failed: {wd.os_error_text(e)}; it is {what}, which the "
-        f"run read and its HF export copies: {fix} (nothing of the export is left)") from e
+        f"{wd.read_failed(e, path)}; it is {what}, which the run read and its HF export "
+        f"copies: {fix} (nothing of the export is left)") from e
 
 
 # What data.chat_template names, in an ExportInputError (_read_input): a template file, or a

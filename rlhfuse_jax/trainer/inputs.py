@@ -116,9 +116,9 @@ def content_fingerprint(field: str, path: str) -> Optional[dict[str, str]]:
       out[os.path.basename(f)] = _file_digest(f)
   except OSError as e:
     raise wd.ReadError(
-        f"reading {e.filename or path} failed: {wd.os_error_text(e)}; config.{field}={path!r} "
-        "names it, and its content is fingerprinted (a run's starts check it against their "
-        "checkpoints'; plan files, against the run they plan): make it readable") from e
+        f"{wd.read_failed(e, path)}; config.{field}={path!r} names it, and its content is "
+        "fingerprinted (a run's starts check it against their checkpoints'; plan files, "
+        "against the run they plan): make it readable") from e
   return out or None
 
 
