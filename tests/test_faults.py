@@ -1413,9 +1413,10 @@ def test_a_full_disk_at_the_hf_export_says_the_finished_run_is_kept(tmp_path, mo
   does, training nothing. Both exports, the run's own and the re-run's, are given the
   fingerprints that their start took of the files the run read (here its data.chat_template:
   the export checks a file of them gone or unreadable since, _check_template_file), not None
-  (unknown: the check passes over a directory in the template's place); until 2026-12-07 only
-  the re-run's were checked. A re-run that cannot read the template stops as it starts (it
-  hashes its inputs), naming the file and the field: it was the bare PermissionError."""
+  (unknown: the check passes over a directory in the template's place); until 2026-12-07 a
+  test checked only the re-run's (the wiring of both was right). A re-run that cannot read the
+  template stops as it starts (it hashes its inputs), naming the file and the field: it was
+  the bare PermissionError."""
   from rlhfuse_jax.trainer import hf_export
   from rlhfuse_jax.trainer import inputs as inputs_lib
   run, template = str(tmp_path / "run"), str(tmp_path / "t.jinja")
@@ -1425,12 +1426,7 @@ def test_a_full_disk_at_the_hf_export_says_the_finished_run_is_kept(tmp_path, mo
                                          "data.chat_template": template})
   read = inputs_lib.fingerprints(cfg)
   assert list(read) == ["data.chat_template"]
-  told, export_hf = [], hf_export.export_hf
-
-  def export(*args, inputs=None, **kwargs):
-    told.append(inputs)
-    return export_hf(*args, inputs=inputs, **kwargs)
-  monkeypatch.setattr(hf_export, "export_hf", export)
+  told = _told_export_inputs(monkeypatch)
   with monkeypatch.context() as m:
     _full_disk_under(m, hf_export.export_work_dirs(os.path.join(run, "hf_export"))[0])
     with pytest.raises(checkpointing.SaveError) as e:
@@ -1644,6 +1640,19 @@ def test_a_full_disk_at_a_finished_run_s_re_run_stops_it_as_a_failed_save_does(
   assert [r["step"] for r in wd.read_jsonl(path)] == [1, 2]
 
 
+def _told_export_inputs(monkeypatch) -> list:
+  """hf_export.export_hf, recording the `inputs` (the run's fingerprints) each call is given,
+  in the returned list, in order."""
+  from rlhfuse_jax.trainer import hf_export
+  told, export_hf = [], hf_export.export_hf
+
+  def export(*args, inputs=None, **kwargs):
+    told.append(inputs)
+    return export_hf(*args, inputs=inputs, **kwargs)
+  monkeypatch.setattr(hf_export, "export_hf", export)
+  return told
+
+
 def _unreadable(monkeypatch, path: str) -> None:
   """Opening `path` to read fails with EACCES, as for a user without read permission (chmod 000
   does not stop root, who runs the tests in CI): its writes and every other file's open."""
@@ -1711,15 +1720,10 @@ def test_an_input_gone_at_a_finished_run_s_hf_export_says_the_run_is_kept(tmp_pa
   cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint,
                                                                 export_hf="auto"))
   gone = str(tmp_path / "tok" / "tokenizer.json")
-  told, export_hf = [], hf_export.export_hf  # the files the run read, as the export is told
-
-  def export(*args, inputs=None, **kwargs):
-    told.append(inputs)
-    return export_hf(*args, inputs=inputs, **kwargs)
+  told = _told_export_inputs(monkeypatch)
 
   def copy(c, t, out, names=()):
     hf_export._read_input(gone, "the tokenizer config.init.tokenizer names")
-  monkeypatch.setattr(hf_export, "export_hf", export)
   monkeypatch.setattr(hf_export, "_copy_tokenizer", copy)
   with pytest.raises(hf_export.ExportInputError) as e:
     PPOTrainer(cfg, run).run()
