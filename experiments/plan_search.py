@@ -342,7 +342,6 @@ def trainer_setting(cfg: ablations.AblationConfig, path: str, overrides: str, co
   (trainer/sim_plan.workload, named after PATH's file) and the trainer's check of a plan
   against the run's config (trainer/sim_plan.PlanCheck on fake CPU devices)."""
   # pylint: disable=import-outside-toplevel
-  from rlhfuse_jax.rl import advantages as adv_lib
   from rlhfuse_jax.trainer import sim_plan
   devices, train, task, tokenizer, dataset = run
   spec = path + overrides
@@ -355,7 +354,8 @@ def trainer_setting(cfg: ablations.AblationConfig, path: str, overrides: str, co
              "num_devices": cfg.num_devices, "global_batch": wl.global_batch,
              "minibatch": wl.minibatch, "epochs": wl.epochs, "max_new_tokens": wl.max_new_tokens,
              "reference": wl.reference, "reward_model": wl.reward_model,
-             "actor": wl.actor.to_dict(), "critic": wl.critic.to_dict(), "lengths": lengths,
+             "trains_critic": wl.trains_critic, "actor": wl.actor.to_dict(),
+             **({"critic": wl.critic.to_dict()} if wl.trains_critic else {}), "lengths": lengths,
              **({} if wl.reward is None else {"reward": wl.reward.to_dict()})}
   # The models it planned, for the report: the run's, from its checkpoints where it loads them
   checkpoints = {"actor": train.init.actor_checkpoint, "critic": train.init.critic_checkpoint,
@@ -365,14 +365,11 @@ def trainer_setting(cfg: ablations.AblationConfig, path: str, overrides: str, co
       role: {**setting[role], "source": f"{spec}: " + (
           f"{checkpoints[role]} (config.json)" if checkpoints[role] else sections[role])}
       for role in ("actor", "critic", "reward") if role in setting}
-  if not adv_lib.needs_critic(train.algo.estimator):
-    # The simulator's training plans are actor + critic pairs (sim/training_sim.py); a run
-    # without a critic is searched as PPO's, its times and memory an overestimate (a known
-    # limit: docs/simulator.md).
-    setting["critic_note"] = (f"algo.estimator={train.algo.estimator!r} trains no critic; the "
-                              "search timed and sized one as PPO's (an overestimate)")
-    logging.warning("plan search: %s: the plan's predicted times and memory are those of a "
-                    "PPO run of the same models", setting["critic_note"])
+  if not wl.trains_critic:
+    # (searched as PPO's, an overestimate, until 2026-12-08)
+    setting["critic_note"] = (f"algo.estimator={train.algo.estimator!r} trains no critic: the "
+                              "search times and sizes the actor's training alone")
+    logging.info("plan search: %s", setting["critic_note"])
   return setting, wl, sim_plan.PlanCheck(config_dict, devices, tokenizer, workdir)
 
 
@@ -530,11 +527,14 @@ def _compare_systems(cfg: ablations.AblationConfig, cost: CostModel, wl, res: di
     cache = training_sim.ScheduleCache(time_budget_s=cfg.sim.search_time_s, seed=cfg.seed,
                                        log=logging.info)
     # The papers' systems run a reference and a reward model whatever the run's algo.kl_coef
-    # and reward.kind.
+    # and reward.kind, and train a critic whatever its algo.estimator (PPO's systems).
+    if not wl.trains_critic:
+      logging.info("the systems compared are the papers' PPO systems: they train a critic, "
+                   "which this run's plan does not")
     try:
       rows, _ = iteration_sim.simulate_iteration(
-          cost, dataclasses.replace(wl, reference=True, reward_model=True), cfg.sim, compared,
-          cache)
+          cost, dataclasses.replace(wl, reference=True, reward_model=True, trains_critic=True),
+          cfg.sim, compared, cache)
     except ValueError as e:
       # The comparison is an extra: a system the inputs cannot time (a calibration measured on
       # 1-device instances timing another system's tp=2) lost the searched plan with it.

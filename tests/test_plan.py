@@ -1258,9 +1258,12 @@ def test_plan_search_binary_for_a_train_config(tmp_path):
   assert "critic_note" not in res["setting"]
 
 
-def test_plan_search_says_a_critic_free_run_is_searched_as_ppos(tmp_path):
-  """The simulator's training plans are actor + critic pairs: a GRPO run's search timed and
-  sized a critic the run does not train, exactly PPO's figures, without a word. (The run's
+def test_plan_search_searches_a_critic_free_run_without_a_critic(tmp_path):
+  """A GRPO run's search timed and sized a critic the run does not train, exactly PPO's
+  figures (until 2026-12-08, with a warning). It now searches the actor's training alone: the
+  plan records no critic (its workload trains_critic false, no critic_pp), the report and
+  result.json say so, the run takes its plan without a workload warning, and a PPO-searched
+  plan (an older file, which records no trains_critic) is warned of to a GRPO run. (The run's
   config.train_config is at a path with a space: named after its file, recorded whole, as
   --run_config's path is in the overrides test above.)"""
   env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -1271,14 +1274,31 @@ def test_plan_search_says_a_critic_free_run_is_searched_as_ppos(tmp_path):
        f"--config.train_config={spec}", f"--workdir={work}",
        "--config.systems="], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
-  w = json.loads((work / "plan.json").read_text())["workload"]
-  assert (w["actor"]["name"], w["critic"]["name"], w["train_config"]) == (
-      "long_run actor", "long_run critic", spec), w
+  plan = json.loads((work / "plan.json").read_text())
+  w = plan["workload"]
+  assert (w["actor"]["name"], w["trains_critic"], w["train_config"]) == (
+      "long_run actor", False, spec), w
+  assert "critic" not in w and "critic_pp" not in plan["training"], plan
+  assert plan["training"]["actor_pp"] == 1  # (the trainer's update pipelines PPO's pair only)
   assert f"# Plan search: {spec} on 8 x h100_sxm" in (work / "plan_search.md").read_text()
-  note = ("algo.estimator='grpo' trains no critic; the search timed and sized one as PPO's (an "
-          "overestimate)")
-  assert json.loads((work / "result.json").read_text())["setting"]["critic_note"] == note
-  assert f"plan search: {note}: the plan's predicted times" in out.stderr, out.stderr[-3000:]
+  note = ("algo.estimator='grpo' trains no critic: the search times and sizes the actor's "
+          "training alone")
+  res = json.loads((work / "result.json").read_text())
+  assert res["setting"]["critic_note"] == note and "critic" not in res["setting"]["models"]
+  assert f"plan search: {note}" in out.stderr, out.stderr[-3000:]
+  assert not any("critic" in r["stage"] for r in res["plan_memory"])
+  c = ppo_tiny.get_config("grpo")
+  c.plan.file = str(work / "plan.json")
+  cfg = TrainConfig.from_config_dict(c)
+  _, tokenizer = build.build_task_and_tokenizer(cfg)
+  resolved = build.resolve_config(cfg, tokenizer)
+  assert plan_file_lib.plan_workload_note(c.plan.file, resolved) is None
+  # The same file as plan_search wrote it before 2026-12-08: searched with a critic.
+  old = {**plan, "workload": {k: v for k, v in w.items() if k != "trains_critic"}}
+  (work / "old.json").write_text(json.dumps(old))
+  warn, line = plan_file_lib.plan_workload_note(str(work / "old.json"), resolved)
+  assert warn and ("trains_critic=True (this run's algo.estimator='grpo': no critic)" in line
+                   ), line
 
 
 def test_the_planned_layout_is_said_at_set_up():

@@ -128,6 +128,13 @@ class Workload:
   # "async" split (plan_memory); its asynchronous search's colocated option keeps it whatever
   # this says. Until 2026-12-07 counted nowhere: a plan could need a copy more than the HBM.
   actor_copy: bool = False
+  # Whether the run trains (and scores with) a critic: a train_ppo config whose
+  # algo.estimator reads no values (grpo, rloo, ...: AlgoConfig.trains_critic;
+  # trainer/sim_plan.workload) builds none. plan_search then searches the actor's training
+  # alone (training_sim's `critic` None: no critic state, forwards, rescore or fusion) and
+  # drops the critic's forwards from the inference; the papers' systems (simulate_iteration)
+  # are PPO's and always train one. Until 2026-12-08 such a run was searched as PPO's.
+  trains_critic: bool = True
 
   def __post_init__(self):
     # The counts first: minibatch=0 was a ZeroDivisionError in the divisibility check below.
@@ -145,6 +152,12 @@ class Workload:
       shape = getattr(self, role)
       if shape is not None and shape.head != "scalar":
         raise ValueError(f"workload.{role} {shape.name!r} must have head='scalar'")
+
+  @property
+  def trained_critic(self) -> Optional[ModelShape]:
+    """The critic's shape where the run trains one (trains_critic), else None: training_sim's
+    `critic` argument."""
+    return self.critic if self.trains_critic else None
 
   @property
   def reward_shape(self) -> ModelShape:
@@ -168,8 +181,10 @@ class Workload:
     actor's shape, the critic its own, the reward model reward_shape; the reference left out when
     the run has none (reference: a train_config with algo.kl_coef=0, which until 2026-12-04
     was charged its weights and forwards), the reward model when its reward is a function
-    (reward_model, charged until 2026-12-04 too)."""
-    has = {"reference": self.reference, "reward": self.reward_model}
+    (reward_model, charged until 2026-12-04 too), the critic when the run trains none
+    (trains_critic, charged until 2026-12-08)."""
+    has = {"reference": self.reference, "reward": self.reward_model,
+           "critic": self.trains_critic}
     names = tuple(m for m in models if has.get(m, True))
     shape = {"reference": self.actor, "critic": self.critic, "reward": self.reward_shape}
     return names, tuple(shape[m] for m in names)
@@ -419,8 +434,8 @@ def train_state_bytes(cost: CostModel, wl: Workload, opt: SimOptions, tp: int) -
   Until 2026-12-05 generation was sized as if the devices held nothing else."""
   prompts, resp = wl.sample_lengths()
   try:
-    plan, _ = train_lib.best_plan(cost, wl.actor, wl.critic, wl.num_devices, wl.minibatch,
-                                  wl.micro_batch, float(np.mean(prompts + resp)),
+    plan, _ = train_lib.best_plan(cost, wl.actor, wl.trained_critic, wl.num_devices,
+                                  wl.minibatch, wl.micro_batch, float(np.mean(prompts + resp)),
                                   wl.num_minibatches,
                                   resident_bytes=kept_frozen_bytes(wl, tp, opt),
                                   padded_len=wl.padded_len, head_positions=wl.max_new_tokens)
@@ -432,10 +447,12 @@ def train_state_bytes(cost: CostModel, wl: Workload, opt: SimOptions, tp: int) -
 def colocated_state_bytes(cost: CostModel, wl: Workload, opt: SimOptions,
                           plan: train_lib.TrainPlan) -> float:
   """Per device, the actor's and critic's kept_state_bytes on the colocated training plan
-  `plan` (train_state_bytes, plan_search.uniform_candidates)."""
+  `plan` (train_state_bytes, plan_search.uniform_candidates); the actor's alone where the run
+  trains no critic (Workload.trains_critic)."""
+  models = ((wl.actor, plan.actor_pp, plan.dp),) + (
+      ((wl.critic, plan.critic_pp, plan.dp * plan.critic_replicas),) if wl.trains_critic else ())
   return sum(kept_state_bytes(cost.train_memory_parts(shape, plan.tp, pp, dp, True, 0.0, 0), opt)
-             for shape, pp, dp in ((wl.actor, plan.actor_pp, plan.dp),
-                                   (wl.critic, plan.critic_pp, plan.dp * plan.critic_replicas)))
+             for shape, pp, dp in models)
 
 
 def kept_state_bytes(parts: dict, opt: SimOptions) -> float:
@@ -654,6 +671,10 @@ def simulate_iteration(cost: CostModel, wl: Workload, opt: SimOptions, systems=S
   unknown = [s for s in systems if s not in SYSTEMS]
   if unknown:
     raise ValueError(f"unknown systems {unknown}; known: {list(SYSTEMS)}")
+  if not wl.trains_critic:
+    raise ValueError("simulate_iteration: the simulated systems are PPO's, each trains a critic; "
+                     "a workload without one (trains_critic=False) is searched by plan_search "
+                     "alone (experiments/plan_search.py compares the systems with a critic)")
   if "pipe_rlhf_async" in systems and opt.staleness < 1:
     raise ValueError(f"config.sim.staleness={opt.staleness}: pipe_rlhf_async needs a "
                      "staleness >= 1 (updates the generating policy lags behind)")

@@ -346,13 +346,14 @@ def rescore_s(cost: CostModel, wl, train_plan: dict, seq_lens: np.ndarray, opt) 
   load, no second copy: a layout of its own would have to fit beside the training state, and
   the whole-model shards of tp-only instances do not, e.g. 65 GB per device at 65B/65B tp 4).
   Colocated: the actor's forward pipeline (tp x actor_pp, every replica of the group) then the
-  critic's; disjoint: each model on its own devices at once, the slower one counts."""
+  critic's (none where the run trains no critic); disjoint: each model on its own devices at
+  once, the slower one counts."""
   if train_plan["placement"] == "colocated":
     n, tp = train_plan["devices"], train_plan["tp"]
     return sum(inference_stage_s(cost, (shape,), n, tp, pp, seq_lens, opt.inference_microbatch,
                                  False)
-               for shape, pp in ((wl.actor, train_plan["actor_pp"]),
-                                 (wl.critic, train_plan["critic_pp"])))
+               for shape, pp in ((wl.actor, train_plan["actor_pp"]),) + (
+                   ((wl.critic, train_plan["critic_pp"]),) if wl.trains_critic else ()))
   return max(inference_stage_s(cost, (shape,), q["devices"], q["tp"], q["pp"], seq_lens,
                                opt.inference_microbatch, False)
              for shape, q in ((wl.actor, train_plan["actor"]), (wl.critic, train_plan["critic"])))
@@ -385,13 +386,13 @@ def rescore_rows(cost: CostModel, wl, opt, train: dict, kept: dict) -> list[dict
   its stage shards (Update.whole's copy, plan_check's state_actor_bytes = 0); else (the
   papers' systems: a forward pipeline on the training layout, rescore_s)
   sim.inference_microbatch samples a replica, on the stage shards. Until 2026-12-07 the passes
-  were timed (rescore_s) but their memory was counted nowhere."""
+  were timed (rescore_s) but their memory was counted nowhere. A run without a critic
+  (Workload.trains_critic) has the actor's pass alone."""
   state_opt = dataclasses.replace(opt, offload_optimizer=False)
   if train["placement"] == "colocated":
-    tplan = train_lib.TrainPlan(train["devices"], wl.minibatch, train["tp"], train["actor_pp"],
-                                train["critic_pp"], wl.micro_batch)
+    tplan = colocated_train_plan(wl, train)
     layouts = {"actor": (train["tp"], train["actor_pp"], tplan.dp),
-               "critic": (train["tp"], train["critic_pp"], tplan.dp * tplan.critic_replicas)}
+               "critic": (train["tp"], tplan.critic_pp, tplan.dp * tplan.critic_replicas)}
     from rlhfuse_jax.sim import iteration_sim as it
     shared = it.colocated_state_bytes(cost, wl, state_opt, tplan)
     state = {"actor": shared, "critic": shared}
@@ -406,7 +407,7 @@ def rescore_rows(cost: CostModel, wl, opt, train: dict, kept: dict) -> list[dict
     data = {r: train[r]["dp"] for r in ("actor", "critic")}
     gather = {r: train[r]["pp"] > 1 for r in ("actor", "critic")}
   rows = []
-  for role, shape in (("actor", wl.actor), ("critic", wl.critic)):
+  for role, shape in trained_models(wl):
     tp, pp, _ = layouts[role]
     if opt.trainer_runnable:
       at_once = -(-wl.minibatch // data[role])
@@ -536,6 +537,31 @@ def inference_candidates(cost: CostModel, wl, opt, seq_lens, rejected: dict,
   return out
 
 
+def trained_models(wl) -> tuple:
+  """(("actor", shape), ("critic", shape)) of the models the run trains: the actor's alone where
+  it trains no critic (Workload.trains_critic)."""
+  return (("actor", wl.actor),) + ((("critic", wl.critic),) if wl.trains_critic else ())
+
+
+def colocated_train_plan(wl, train: dict, devices: Optional[int] = None
+                         ) -> "train_lib.TrainPlan":
+  """training_sim.TrainPlan of a colocated training plan `train` (plan.json's form) on its
+  devices (or `devices`); a plan without a critic (training_candidates' for a run that trains
+  none) records no critic_pp: its TrainPlan's is the actor's (unread)."""
+  return train_lib.TrainPlan(devices or train["devices"], wl.minibatch, train["tp"],
+                             train["actor_pp"], train.get("critic_pp", train["actor_pp"]),
+                             wl.micro_batch)
+
+
+def colocated_train_dict(wl, tp: int, actor_pp: int, critic_pp: int) -> dict:
+  """A colocated training plan in plan.json's form: placement, devices, tp, actor_pp and
+  critic_pp (none where the run trains no critic: Workload.trains_critic) and its
+  micro_batching."""
+  return {"placement": "colocated", "devices": wl.num_devices, "tp": tp, "actor_pp": actor_pp,
+          **({"critic_pp": critic_pp} if wl.trains_critic else {}),
+          **micro_batching(wl, tp, actor_pp, critic_pp)}
+
+
 def micro_batching(wl, tp: int, actor_pp: int, critic_pp: int) -> dict:
   """The micro-batching a colocated training plan was timed and sized with, for plan.json: the
   samples per micro-batch and, pipelined, the actor's micro-batches per data shard and the
@@ -546,8 +572,9 @@ def micro_batching(wl, tp: int, actor_pp: int, critic_pp: int) -> dict:
                              wl.micro_batch)
   out = {"micro_batch": wl.micro_batch}
   if actor_pp > 1:
-    out.update(actor_microbatches=plan.actor_microbatches,
-               critic_microbatches=plan.critic_microbatches)
+    out["actor_microbatches"] = plan.actor_microbatches
+    if wl.trains_critic:
+      out["critic_microbatches"] = plan.critic_microbatches
   return out
 
 
@@ -560,10 +587,12 @@ def training_candidates(cost: CostModel, wl, mean_len: float, rejected: dict,
   some of its share idle (training_sim.single_model_plan): the one kind of plan here that does;
   an asynchronous split's training group does not (its size is itself searched; with it 23 of
   65B/33B's 31 splits of 256 H100s fit instead of 3, each searched through: 3.5x the search's
-  time, for the same best split)."""
+  time, for the same best split). A run without a critic (Workload.trains_critic): the
+  actor's colocated plans alone (training_sim's `critic` None), no critic_pp, no splits."""
   out = []
   try:
-    _, tried = train_lib.best_plan(cost, wl.actor, wl.critic, wl.num_devices, wl.minibatch,
+    _, tried = train_lib.best_plan(cost, wl.actor, wl.trained_critic, wl.num_devices,
+                                   wl.minibatch,
                                    wl.micro_batch, mean_len, wl.num_minibatches,
                                    resident_bytes=resident_bytes, padded_len=wl.padded_len,
                                    head_positions=wl.max_new_tokens)
@@ -575,10 +604,11 @@ def training_candidates(cost: CostModel, wl, mean_len: float, rejected: dict,
     if isinstance(t, str):
       rejected[f"training {name}"] = t
       continue
-    tp, pa, pc = (int(x[2:]) for x in name.split("/"))
-    out.append(Candidate({"placement": "colocated", "devices": wl.num_devices, "tp": tp,
-                          "actor_pp": pa, "critic_pp": pc,
-                          **micro_batching(wl, tp, pa, pc)}, float(t), {"train_s": float(t)}))
+    tp, pa, *pc = (int(x[2:]) for x in name.split("/"))  # ("tp2/pa4": no critic)
+    out.append(Candidate(colocated_train_dict(wl, tp, pa, pc[0] if pc else pa), float(t),
+                         {"train_s": float(t)}))
+  if not wl.trains_critic:
+    return out  # (no critic to train on devices of its own)
   splits = train_lib.disjoint_splits(cost, wl.actor, wl.critic, wl.num_devices, wl.minibatch,
                                      wl.micro_batch, mean_len, resident_bytes=resident_bytes,
                                      padded_len=wl.padded_len,
@@ -628,7 +658,7 @@ def uniform_candidates(cost: CostModel, wl, opt, prompts, resp, mean_len: float,
   for tp, pp in itertools.product((1, 2, 4, 8), (1, 2, 4, 8, 16)):
     if (tp > cost.hw.devices_per_node or wl.num_devices % (tp * pp) or
         any(s.tensor_parallel_error(tp) or s.num_layers % pp
-            for s in (wl.actor, wl.critic) + frozen)):
+            for s in tuple(m for _, m in trained_models(wl)) + frozen)):
       continue
     name = f"uniform tp{tp} pp{pp}"
     kept = it.kept_frozen_bytes(wl, tp * pp, opt)
@@ -653,7 +683,7 @@ def uniform_candidates(cost: CostModel, wl, opt, prompts, resp, mean_len: float,
                                 resident_bytes=state, resident="the training state")
       inf = inference_stage_s(cost, frozen, wl.num_devices, tp, pp, seq,
                               opt.inference_microbatch, opt.offload_frozen)
-      costs = train_lib.step_costs(cost, wl.actor, wl.critic, plan, mean_len,
+      costs = train_lib.step_costs(cost, wl.actor, wl.trained_critic, plan, mean_len,
                                    resident_bytes=kept, padded_len=wl.padded_len,
                                    head_positions=wl.max_new_tokens)
       train = train_lib.pipeline_train_s(costs, wl.num_minibatches, fused=False)["train_s"]
@@ -663,8 +693,7 @@ def uniform_candidates(cost: CostModel, wl, opt, prompts, resp, mean_len: float,
     # (plans: the layout in plan.json's form, for plan_memory)
     plans = {"generation": dataclasses.asdict(gen_plan),
              "inference": dataclasses.asdict(InferencePlan(tp, pp)),
-             "training": {"placement": "colocated", "devices": wl.num_devices, "tp": tp,
-                          "actor_pp": pp, "critic_pp": pp, **micro_batching(wl, tp, pp, pp)}}
+             "training": colocated_train_dict(wl, tp, pp, pp)}
     out.append(Candidate({"tp": tp, "pp": pp, "dp": wl.num_devices // (tp * pp)},
                          gen + inf + train, {"gen_s": gen, "inf_s": inf, "train_s": train,
                                              "reshard_s": 0.0, "plans": plans}))
@@ -862,16 +891,17 @@ def plan_memory(cost: CostModel, wl, opt, plan: dict) -> list[dict]:
     opt = dataclasses.replace(opt, offload_optimizer=False)
   copy_part = {ACTOR_COPY: actor_copy} if actor_copy else {}
   if train["placement"] == "colocated":
-    tp, pa, pc = train["tp"], train["actor_pp"], train["critic_pp"]
-    tplan = train_lib.TrainPlan(t, wl.minibatch, tp, pa, pc, wl.micro_batch)
+    tplan = colocated_train_plan(wl, train, t)
+    tp, pa, pc = tplan.tp, tplan.actor_pp, tplan.critic_pp
     parts = [cost.train_memory_parts(a, tp, pa, tplan.dp, True, tokens,
                                      min(pa, tplan.actor_microbatches), tplan.accumulates,
-                                     wl.micro_batch, wl.max_new_tokens),
-             cost.train_memory_parts(wl.critic, tp, pc, tplan.dp * tplan.critic_replicas, True,
-                                     tokens, min(pc, tplan.critic_microbatches),
-                                     tplan.accumulates)]
-    both = {k: parts[0].get(k, 0.0) + parts[1].get(k, 0.0)
-            for k in dict.fromkeys([*parts[0], *parts[1]])}  # (the actor's logits alone)
+                                     wl.micro_batch, wl.max_new_tokens)]
+    if wl.trains_critic:
+      parts.append(cost.train_memory_parts(wl.critic, tp, pc, tplan.dp * tplan.critic_replicas,
+                                           True, tokens, min(pc, tplan.critic_microbatches),
+                                           tplan.accumulates))
+    both = {k: sum(p.get(k, 0.0) for p in parts)
+            for k in dict.fromkeys(k for p in parts for k in p)}  # (the actor's logits alone)
     trains = [{"stage": "training", "layout": _describe_train(train),
                "parts": {**both, **kept_train, **copy_part}}]
     state = sum(it.kept_state_bytes(p, opt) for p in parts)
@@ -988,8 +1018,9 @@ def workload_record(wl, train_config: str = "", opt=None, plan: Optional[dict] =
   length distributions: length_record; and actor_copy: whether the memory check counted
   asynchronous PPO's copy of the actor on the training devices (keeps_actor_copy of `plan`,
   the plan written; without one the run's, Workload.actor_copy), so that a run of another
-  workload with it is warned of."""
-  roles = (("actor", wl.actor), ("critic", wl.critic)) + (
+  workload with it is warned of; trains_critic: whether it trains a critic
+  (Workload.trains_critic; the critic's shape recorded only then)."""
+  roles = trained_models(wl) + (
       (("reward", wl.reward),) if wl.reward_model and wl.reward is not None else ())
   out = {role: {"name": shape.name, **{f: getattr(shape, "head_dim_" if f == "head_dim" else f)
                                        for f in WORKLOAD_MODEL_FIELDS}}
@@ -997,7 +1028,7 @@ def workload_record(wl, train_config: str = "", opt=None, plan: Optional[dict] =
   out.update(global_batch=wl.global_batch, minibatch=wl.minibatch, epochs=wl.epochs,
              max_prompt_len=wl.prompt.max_len, max_new_tokens=wl.max_new_tokens,
              num_devices=wl.num_devices, reference=wl.reference, reward_model=wl.reward_model,
-             lengths=length_record(wl),
+             trains_critic=wl.trains_critic, lengths=length_record(wl),
              actor_copy=keeps_actor_copy(wl, plan) if plan is not None else bool(wl.actor_copy))
   if train_config:  # and the run's inference micro-batch and optimizer state, which sized
     # its inference and training memory
@@ -1017,6 +1048,8 @@ def trainer_workload(wl):
 
 def _describe_train(p: dict) -> str:
   if p["placement"] == "colocated":
+    if "critic_pp" not in p:  # (a run without a critic: training_candidates)
+      return f"colocated tp{p['tp']} Pa={p['actor_pp']} (actor alone)"
     return f"colocated tp{p['tp']} Pa/Pc={p['actor_pp']}/{p['critic_pp']}"
   a, c = p["actor"], p["critic"]
   return (f"disjoint actor {a['devices']} dev (tp{a['tp']} pp{a['pp']} dp{a['dp']}), critic "
@@ -1078,15 +1111,18 @@ def trainer_refusal(wl, plan: dict, host_devices: Optional[int] = None) -> Optio
   gen, inf, train = plan["generation"], plan["inference"], plan["training"]
   if train.get("placement") != "colocated":
     return "disjoint training (the trainer trains actor and critic on the same devices)"
-  tp, pa, pc = train["tp"], train["actor_pp"], train["critic_pp"]
-  for m in (a, c):
+  tp, pa, pc = train["tp"], train["actor_pp"], train.get("critic_pp", train["actor_pp"])
+  if not wl.trains_critic and pa > 1:
+    return (f"training Pa={pa} without a critic (the trainer's pipelined update runs the actor "
+            "and the critic together; a run that trains no critic takes mesh.stage=1)")
+  for m in (a, c) if wl.trains_critic else (a,):
     bad = [f"{f}={getattr(m, f)}" for f in ("num_heads", "intermediate_size")
            if getattr(m, f) % tp]
     bad += ([f"num_kv_heads={m.num_kv_heads}"] if m.num_kv_heads % tp and tp % m.num_kv_heads
             else [])
     if bad:
       return f"training tp{tp} does not split {m.name}'s {', '.join(bad)}"
-  if a.num_layers % pa or c.num_layers % pc or pa % pc:
+  if a.num_layers % pa or (wl.trains_critic and (c.num_layers % pc or pa % pc)):
     return (f"training Pa/Pc={pa}/{pc} with {a.num_layers} actor and {c.num_layers} critic "
             "layers (Pa must divide the actor's layers, Pc the critic's and Pa)")
   if t % (tp * pa) or wl.minibatch % (t // (tp * pa)):
@@ -1449,8 +1485,9 @@ def no_plan_message(cost: CostModel, wl, rejected: dict, infs: list, groups: dic
     distinct = len({plan_name(k) for k in mine})
     parts.append(f"no {'generation' if stage == 'gen' else stage} plan fits ({distinct} "
                  f"rejected{beside if stage != 'inference' else ''}{why})")
-  return (f"plan search: no feasible plan of {wl.actor.name} + {wl.critic.name} on "
-          f"{wl.num_devices} x {cost.hw.name} ({cost.hw.hbm_bytes / 1e9:g} GB per device): "
+  return (f"plan search: no feasible plan of "
+          f"{train_lib.models_name(wl.actor, wl.trained_critic)} on {wl.num_devices} x "
+          f"{cost.hw.name} ({cost.hw.hbm_bytes / 1e9:g} GB per device): "
           + "; ".join(parts) + "." + (
               " Each also fits with more memory per device (the hardware's hbm_bytes) or "
               "shorter prompts and responses (config.prompt.max_len, config.max_new_tokens)."
@@ -1553,7 +1590,8 @@ def search(cost: CostModel, wl, opt, top_k: int = 5,
     # each reason on its own, the most frequent first (a dict's repr on one line, before)
     whys = sorted(refused.items(), key=lambda x: -x[1])
     return asynchronous_alone(
-        f"plan search: no plan of {wl.actor.name} + {wl.critic.name} on {wl.num_devices} "
+        f"plan search: no plan of {train_lib.models_name(wl.actor, wl.trained_critic)} on "
+        f"{wl.num_devices} "
         f"devices" + (" that the trainer runs" if opt.trainer_runnable or accept else "")
         + f" ({sum(refused.values())} combinations refused): "
         + "; ".join(f"{n} x {why}" for why, n in whys[:8])

@@ -19,6 +19,11 @@ systems' work); our trainer computes the padded tokens too (its update's FLOPs a
 [batch, max_prompt_len + max_new_tokens] rows: trainer/loop.py perf/train_useful_frac), so its
 update takes up to padded_len / mean length longer than simulated here.
 
+A run without a critic (a critic-free estimator: GRPO, RLOO, ...; Workload.trains_critic) trains
+the actor alone: `critic` None in step_costs, check_train_memory and best_plan, its step the
+actor's own 1F1B (StepCosts.actor_only_ms), with nothing to fuse, and no critic state, gradient
+all-reduce or optimizer step (until 2026-12-08 such a run was timed and sized as PPO's).
+
 `ScheduleCache` keeps fused searches per problem (in memory and optionally in a JSON file), so a
 grid of settings searches each distinct shape once. `zero3_train_s` is the DeepSpeed-Chat-like
 alternative: no pipeline, ZeRO-3 data parallel over all devices.
@@ -126,10 +131,12 @@ def stash_bytes(shape: ModelShape, stages: int, tp: int, mb_tokens: float) -> fl
 
 @dataclasses.dataclass(frozen=True)
 class StepCosts:
-  """Per-mini-batch costs of a plan (seconds) and its pipeline problem (milliseconds)."""
-  problem: PipelineProblem
+  """Per-mini-batch costs of a plan (seconds) and its pipeline problem (milliseconds); for the
+  actor alone (no critic) no problem, its 1F1B makespan `actor_only_ms` instead."""
+  problem: Optional[PipelineProblem]
   grad_sync_s: float
   optimizer_s: float
+  actor_only_ms: Optional[float] = None
 
 
 def stage_hop_s(cost: CostModel, nbytes: float, stride: int, stages: int,
@@ -153,20 +160,30 @@ def memory_len(mean_seq_len: float, padded_len: Optional[float]) -> float:
   return padded_len
 
 
-def step_costs(cost: CostModel, actor: ModelShape, critic: ModelShape, plan: TrainPlan,
-               mean_seq_len: float, check_memory: bool = True,
+def step_costs(cost: CostModel, actor: ModelShape, critic: Optional[ModelShape],
+               plan: TrainPlan, mean_seq_len: float, check_memory: bool = True,
                resident_bytes: float = 0.0, padded_len: Optional[float] = None,
                head_positions: float = 0.0) -> StepCosts:
   """Stage durations (at `mean_seq_len` tokens a sample), transfer latency and the per-step
   extras of a plan; its memory at `padded_len` tokens a sample (memory_len; `resident_bytes`,
-  `head_positions`: check_train_memory's)."""
+  `head_positions`: check_train_memory's). `critic` None: the actor alone (module docstring;
+  the plan's critic_pp is not read)."""
   mb_tokens = plan.micro_batch * mean_seq_len
   mem_tokens = plan.micro_batch * memory_len(mean_seq_len, padded_len)
   ctx = (mean_seq_len + 1) / 2.0
   fa = float(cost.train_stage_fwd_s(actor, plan.tp, plan.actor_pp, mb_tokens, ctx, "actor"))
-  fc = float(cost.train_stage_fwd_s(critic, plan.tp, plan.critic_pp, mb_tokens, ctx, "critic"))
   ba = cost.train_stage_bwd_s(fa, "actor", cost.train_stage_comm_s(
       actor, plan.tp, plan.actor_pp, mb_tokens))
+  if critic is None:
+    lat = stage_hop_s(cost, mb_tokens * actor.hidden_size * actor.act_itemsize / plan.tp,
+                      plan.tp * plan.dp, plan.actor_pp)
+    if check_memory:
+      check_train_memory(cost, actor, None, plan, mem_tokens, resident_bytes, head_positions)
+    return StepCosts(
+        problem=None, grad_sync_s=float(cost.grad_sync_s(actor, plan.tp, plan.actor_pp, plan.dp)),
+        optimizer_s=float(cost.optimizer_step_s(actor, plan.tp * plan.actor_pp * plan.dp)),
+        actor_only_ms=one_f_one_b_s(plan.actor_pp, plan.actor_microbatches, fa, ba, lat) * MS)
+  fc = float(cost.train_stage_fwd_s(critic, plan.tp, plan.critic_pp, mb_tokens, ctx, "critic"))
   bc = cost.train_stage_bwd_s(fc, "critic", cost.train_stage_comm_s(
       critic, plan.tp, plan.critic_pp, mb_tokens))
   act_bytes = mb_tokens * max(s.hidden_size * s.act_itemsize for s in (actor, critic)) / plan.tp
@@ -202,26 +219,33 @@ def critic_grad_sync_s(cost: CostModel, critic: ModelShape, plan: TrainPlan) -> 
                                  critic.weight_bytes() / (plan.tp * plan.critic_pp), members)
 
 
-def check_train_memory(cost: CostModel, actor: ModelShape, critic: ModelShape, plan: TrainPlan,
-                       mb_tokens: float, resident_bytes: float = 0.0,
+def check_train_memory(cost: CostModel, actor: ModelShape, critic: Optional[ModelShape],
+                       plan: TrainPlan, mb_tokens: float, resident_bytes: float = 0.0,
                        head_positions: float = 0.0) -> None:
   """Both models' states and their 1F1B activation peaks on the busiest device (stage 0 of
   each; `mb_tokens`: a micro-batch's tokens as the trainer allocates them; the actor's head
   logits at `head_positions` positions a row, the response's: cost_model.train_memory_parts)
   must fit, beside `resident_bytes` per device that other stages keep there (the frozen
   models' weights with sim.offload_frozen=False: frozen_note); the fused schedule's budget is
-  the sum of the two models' (docs/architecture.md §3)."""
+  the sum of the two models' (docs/architecture.md §3). `critic` None: the actor's alone."""
   ma, mc = plan.actor_microbatches, plan.critic_microbatches
   need = (cost.train_memory_bytes(actor, plan.tp, plan.actor_pp, plan.dp, True, mb_tokens,
                                   min(plan.actor_pp, ma), plan.accumulates, plan.micro_batch,
-                                  head_positions) +
-          cost.train_memory_bytes(critic, plan.tp, plan.critic_pp, plan.dp * plan.critic_replicas,
-                                  True, mb_tokens, min(plan.critic_pp, mc), plan.accumulates) +
-          resident_bytes)
-  cost.check_fits(f"training {actor.name} + {critic.name}", need,
-                  f"plan tp={plan.tp} actor_pp={plan.actor_pp} critic_pp={plan.critic_pp} "
-                  f"dp={plan.dp}{frozen_note(resident_bytes)}; use more pipeline stages or "
+                                  head_positions) + resident_bytes)
+  if critic is not None:
+    need += cost.train_memory_bytes(critic, plan.tp, plan.critic_pp,
+                                    plan.dp * plan.critic_replicas, True, mb_tokens,
+                                    min(plan.critic_pp, mc), plan.accumulates)
+  cost.check_fits(f"training {models_name(actor, critic)}", need,
+                  f"plan tp={plan.tp} actor_pp={plan.actor_pp}" +
+                  (f" critic_pp={plan.critic_pp}" if critic is not None else "") +
+                  f" dp={plan.dp}{frozen_note(resident_bytes)}; use more pipeline stages or "
                   "tensor parallelism")
+
+
+def models_name(actor: ModelShape, critic: Optional[ModelShape]) -> str:
+  """'actor + critic' by name, or the actor's name alone where no critic is trained."""
+  return actor.name if critic is None else f"{actor.name} + {critic.name}"
 
 
 def frozen_note(resident_bytes: float) -> str:
@@ -293,8 +317,12 @@ class ScheduleCache:
 
 def pipeline_train_s(costs: StepCosts, num_minibatches: int, fused: bool,
                      cache: Optional[ScheduleCache] = None) -> dict:
-  """Training time of all mini-batches with the serial or the fused schedule."""
-  if fused:
+  """Training time of all mini-batches with the serial or the fused schedule (the actor alone:
+  its 1F1B, whichever is asked: there is nothing to fuse it with)."""
+  if costs.problem is None:
+    entry, fused = None, False
+    makespan_ms = costs.actor_only_ms
+  elif fused:
     if cache is None:
       raise ValueError("fused training needs a ScheduleCache")
     entry = cache.fused(costs.problem)
@@ -305,10 +333,11 @@ def pipeline_train_s(costs: StepCosts, num_minibatches: int, fused: bool,
   step = makespan_ms / MS + costs.grad_sync_s + costs.optimizer_s
   return {"train_s": num_minibatches * step, "step_s": step, "pipeline_ms": makespan_ms,
           "grad_sync_s": costs.grad_sync_s, "optimizer_s": costs.optimizer_s,
-          "schedule": "fused" if fused else "serial_1f1b", "search": entry}
+          "schedule": ("fused" if fused else "serial_1f1b" if costs.problem is not None else
+                       "actor_1f1b"), "search": entry}
 
 
-def best_plan(cost: CostModel, actor: ModelShape, critic: ModelShape, num_devices: int,
+def best_plan(cost: CostModel, actor: ModelShape, critic: Optional[ModelShape], num_devices: int,
               minibatch: int, micro_batch: int, mean_seq_len: float, num_minibatches: int,
               tps=(1, 2, 4, 8), pps=(1, 2, 4, 8, 16),
               resident_bytes: float = 0.0,
@@ -316,18 +345,20 @@ def best_plan(cost: CostModel, actor: ModelShape, critic: ModelShape, num_device
               head_positions: float = 0.0) -> tuple[TrainPlan, dict]:
   """The plan with the smallest serial (1F1B) training time among those that fit in memory
   (at `padded_len` tokens a sample, beside `resident_bytes` per device: step_costs). Returns
-  (plan, {candidate description: train_s or the reason it was rejected})."""
+  (plan, {candidate description: train_s or the reason it was rejected}): "tp2/pa4/pc2", or
+  with `critic` None (the actor alone) "tp2/pa4", its plan's critic_pp = actor_pp (unread)."""
   tried, best, best_t = {}, None, float("inf")
   for tp in tps:
     if tp > cost.hw.devices_per_node:
       continue
     for pa in pps:
-      for pc in pps:
+      for pc in pps if critic is not None else (pa,):
         # A stage holds whole layers (Megatron-LM, and our executor, need pp | layers).
-        if pc > pa or actor.num_layers % pa or critic.num_layers % pc:
+        if pc > pa or actor.num_layers % pa or (critic is not None and critic.num_layers % pc):
           continue
-        name = f"tp{tp}/pa{pa}/pc{pc}"
-        split = actor.tensor_parallel_error(tp) or critic.tensor_parallel_error(tp)
+        name = f"tp{tp}/pa{pa}" + (f"/pc{pc}" if critic is not None else "")
+        split = actor.tensor_parallel_error(tp) or (
+            critic is not None and critic.tensor_parallel_error(tp))
         if split:
           tried[name] = split
           continue
@@ -344,7 +375,7 @@ def best_plan(cost: CostModel, actor: ModelShape, critic: ModelShape, num_device
         if t < best_t:
           best, best_t = plan, t
   if best is None:
-    raise NoTrainingPlan(f"no training plan fits: {actor.name} + {critic.name} on "
+    raise NoTrainingPlan(f"no training plan fits: {models_name(actor, critic)} on "
                          f"{num_devices} x {cost.hw.name}, minibatch={minibatch}; tried {tried}",
                          tried)
   return best, tried

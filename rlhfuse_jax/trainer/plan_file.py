@@ -136,7 +136,10 @@ def plan_file_settings(plan: Mapping[str, Any], path: str) -> dict[tuple[str, st
   # sets its own keeps it (PLAN_SOFT_FIELDS).
   if "micro_batch" in train:
     if actor_pp > 1:
-      lacking = [k for k in ("actor_microbatches", "critic_microbatches") if k not in train]
+      # (a plan searched for a run without a critic records neither critic_pp nor its
+      # micro-batches: plan_search.colocated_train_dict; such a run refuses mesh.stage > 1)
+      lacking = [k for k in ("actor_microbatches",) + (
+          ("critic_microbatches",) if "critic_pp" in train else ()) if k not in train]
       if lacking:  # (a hand-edited actor_pp: "config.pipeline.actor_microbatches=None" before)
         missing = " and ".join(f"training.{k}" for k in lacking)
         raise ValueError(
@@ -145,8 +148,9 @@ def plan_file_settings(plan: Mapping[str, Any], path: str) -> dict[tuple[str, st
             "the layout you want")
       out["pipeline", "actor_microbatches"] = (train.get("actor_microbatches"),
                                                "training.actor_microbatches")
-      out["pipeline", "critic_microbatches"] = (train.get("critic_microbatches"),
-                                                "training.critic_microbatches")
+      if "critic_microbatches" in train:
+        out["pipeline", "critic_microbatches"] = (train["critic_microbatches"],
+                                                  "training.critic_microbatches")
     else:
       out["algo", "microbatch_size"] = (train["micro_batch"], "training.micro_batch")
   # The simulator's memory check counts the optimizer state split over data (ZeRO-1,
@@ -204,6 +208,9 @@ PLAN_WORKLOAD_RUN_FIELDS = {"global_batch": "rollout.batch_size",
                             # whether its memory check counted asynchronous PPO's copy of
                             # the actor on the training devices (since 2026-12-07)
                             "actor_copy": "async_ppo.keeps_actor_copy",
+                            # whether it searched a critic's training (since 2026-12-08; an
+                            # older file's was: plan_workload_differences reads it as true)
+                            "trains_critic": "algo.trains_critic",
                             # recorded for a run's plan (train_config) only
                             "inference_micro_batch": "fusion.inference_micro_batch",
                             "migration_rows": "fusion.migration_rows",
@@ -415,7 +422,10 @@ def plan_workload_differences(plan: Mapping[str, Any], cfg: Any,
   if not isinstance(w, Mapping):
     return None
   out = []
-  roles = (("actor", cfg.model), ("critic", cfg.critic_model)) + (
+  # (the critic's shape only where the run trains one: a critic-free run's critic_model is
+  # unused, and a plan searched with a critic is said by trains_critic below)
+  roles = (("actor", cfg.model),) + (
+      (("critic", cfg.critic_model),) if cfg.algo.trains_critic else ()) + (
       (("reward", reward_model),) if reward_model is not None else ())
   for role, model in roles:
     shape = w.get(role)
@@ -437,12 +447,16 @@ def plan_workload_differences(plan: Mapping[str, Any], cfg: Any,
   for key, field in PLAN_WORKLOAD_RUN_FIELDS.items():
     sec, name = field.split(".")
     now = getattr(getattr(cfg, sec), name)
-    if key not in w or w[key] == now:
+    # (every plan written before plan_search recorded trains_critic searched with a critic)
+    recorded = w.get(key, True) if key == "trains_critic" else w.get(key)
+    if (key not in w and key != "trains_critic") or recorded == now:
       continue
     if key == "reference":  # said by the field a user sets, not the property
       has = f"algo.kl_coef={cfg.algo.kl_coef:g}: {'a' if now else 'no'} reference model"
     elif key == "reward_model":
       has = f"reward.kind={cfg.reward.kind!r}: {'a' if now else 'no'} reward model"
+    elif key == "trains_critic":
+      has = f"algo.estimator={cfg.algo.estimator!r}: {'a' if now else 'no'} critic"
     elif key == "actor_copy":
       a = cfg.async_ppo
       has = (f"async_ppo.staleness={a.staleness}, generation_devices={a.generation_devices}: "
@@ -450,7 +464,7 @@ def plan_workload_differences(plan: Mapping[str, Any], cfg: Any,
              "batch's generation")
     else:
       has = f"{field} is {now!r}"
-    out.append(f"{key}={w[key]!r} (this run's {has})")
+    out.append(f"{key}={recorded!r} (this run's {has})")
   if isinstance(w.get("lengths"), Mapping):
     out += _length_differences(w["lengths"], cfg, inputs)
   return out
@@ -472,7 +486,8 @@ def plan_workload_unrecorded(plan: Mapping[str, Any]) -> list[str]:
     if lacking:
       out.append(f"{f} of the " + (f"{', '.join(lacking[:-1])} and " if lacking[1:] else "")
                  + lacking[-1])
-  out += [f"the {role}'s shape" for role in ("actor", "critic") if role not in models]
+  out += [f"the {role}'s shape" for role in ("actor", "critic") if role not in models and not (
+      role == "critic" and w.get("trains_critic") is False)]  # (a plan without a critic)
   if "train_config" in w and w.get("reward_model") and "reward" not in models:
     # (a run's plan with a reward model records its shape since 2026-12-04; the papers' pairs
     # simulate the critic's)

@@ -91,7 +91,9 @@ def workload(cfg: TrainConfig, task: Any, tokenizer: Any, num_devices: int, leng
       # what its lengths came from: plan.json records it, train_ppo compares the run's
       length_inputs=tuple(plan_file_lib.run_length_inputs(cfg).items()),
       # asynchronous PPO on the training devices: its copy of the actor for the next batch
-      actor_copy=cfg.async_ppo.keeps_actor_copy)
+      actor_copy=cfg.async_ppo.keeps_actor_copy,
+      # a critic-free estimator (grpo, rloo, ...): the actor's training alone is searched
+      trains_critic=cfg.algo.trains_critic)
   summary = lambda x: None if x is None else {"mean": float(np.mean(x)), "min": int(np.min(x)),
                                               "max": int(np.max(x))}
   info = {"prompt_lengths": summary(prompts), "response_lengths": summary(resp),
