@@ -193,6 +193,8 @@ def report(res: dict, systems: dict, setting: dict,
                  "; no reference model (algo.kl_coef=0): none of its weights or forwards")
               + ("" if setting.get("reward_model", True) else
                  "; no reward model (reward.kind='function'): none of its weights or forwards")
+              + ("" if setting.get("trains_critic", True) else
+                 f"; {setting['critic_note']}")
               + ("" if "reward" not in setting else
                  f"; the reward model at its checkpoint's shape "
                  f"({setting['reward']['num_params'] / 1e6:.3g}M parameters)")
@@ -260,6 +262,9 @@ def report(res: dict, systems: dict, setting: dict,
               "|---|---|---|---|---|"]
     lines += [f"| {k} | {_s(r['gen_plus_inf_s'])} | {_s(r['train_s'])} | "
               f"{_s(r['reshard_s'])} | {_s(r['iteration_s'])} |" for k, r in systems.items()]
+    if not setting.get("trains_critic", True):
+      lines += ["", "(the papers' systems are PPO's: each trains and scores a critic, which "
+                "this run's plans do not)"]
     if "pipe_rlhf_async" in systems:
       lines += ["", "(iteration = gen+inf + train + reshard; pipe_rlhf_async on two groups: "
                 "max(gen+inf, train) + reshard)"]

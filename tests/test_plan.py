@@ -1272,7 +1272,8 @@ def test_plan_search_searches_a_critic_free_run_without_a_critic(tmp_path):
   out = subprocess.run(
       [sys.executable, "-m", "experiments.plan_search", "--config=configs/plan_search.py:train",
        f"--config.train_config={spec}", f"--workdir={work}",
-       "--config.systems="], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+       "--config.systems=pipe_rlhf"], cwd=ROOT, env=env, capture_output=True, text=True,
+      timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   plan = json.loads((work / "plan.json").read_text())
   w = plan["workload"]
@@ -1280,13 +1281,17 @@ def test_plan_search_searches_a_critic_free_run_without_a_critic(tmp_path):
       "long_run actor", False, spec), w
   assert "critic" not in w and "critic_pp" not in plan["training"], plan
   assert plan["training"]["actor_pp"] == 1  # (the trainer's update pipelines PPO's pair only)
-  assert f"# Plan search: {spec} on 8 x h100_sxm" in (work / "plan_search.md").read_text()
+  md = (work / "plan_search.md").read_text()
   note = ("algo.estimator='grpo' trains no critic: the search times and sizes the actor's "
           "training alone")
+  assert f"# Plan search: {spec} on 8 x h100_sxm" in md and f"; {note}; " in md
   res = json.loads((work / "result.json").read_text())
   assert res["setting"]["critic_note"] == note and "critic" not in res["setting"]["models"]
   assert f"plan search: {note}" in out.stderr, out.stderr[-3000:]
   assert not any("critic" in r["stage"] for r in res["plan_memory"])
+  # The papers' systems compared beside it are PPO's, with a critic: said under their table.
+  assert res["systems"]["pipe_rlhf"]["train_s"] > res["best"]["predicted"]["train_s"]
+  assert "(the papers' systems are PPO's: each trains and scores a critic" in md
   c = ppo_tiny.get_config("grpo")
   c.plan.file = str(work / "plan.json")
   cfg = TrainConfig.from_config_dict(c)
