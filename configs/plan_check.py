@@ -111,9 +111,13 @@ def _as_trained(c, t, dp: int, models=None) -> None:
   # Asynchronous PPO's generation group: its own devices (a data-only mesh), beside the
   # training mesh's (async_ppo.meshes).
   c.generation_devices = run.async_ppo.generation_devices
+  # A critic-free estimator (grpo, rloo, ...): the trainer builds no critic, and the plan is
+  # checked without one (before 2026-12-08 with one, an upper bound)
+  c.trains_critic = run.algo.trains_critic
   # Synchronous on a separate group: the critic's values are scored there too (trainer/loop.py
-  # stage_critic; a critic-free estimator is checked with a critic, an upper bound).
-  c.group_critic = bool(c.generation_devices and not run.async_ppo.staleness)
+  # stage_critic), where the run has a critic.
+  c.group_critic = bool(c.generation_devices and not run.async_ppo.staleness and
+                        c.trains_critic)
   # algo.kl_coef=0: the trainer builds and runs no reference (AlgoConfig.uses_reference)
   c.reference = run.algo.uses_reference
   # The actor's log-prob pass on the training devices (the `actor_logp` program), resolved
@@ -167,7 +171,8 @@ HF_MODELS = {
 
 def _hf_gpu_preset(c, name: str) -> None:
   """configs/ppo_hf.py:ppo_gpu (actor and critic both the model, one 8-GPU host) on one of
-  HF_MODELS; for the GRPO commands of docs/own_model.md (no critic) an upper bound."""
+  HF_MODELS; for the GRPO commands of docs/own_model.md (no critic) an upper bound unless
+  config.trains_critic=False (their update without a critic)."""
   from configs import ppo_hf  # pylint: disable=import-outside-toplevel
   if name not in HF_MODELS:
     raise ValueError(f"configs/plan_check.py: unknown model {name!r} in 'hf_gpu/{name}'; "
@@ -211,7 +216,7 @@ def apply_run(c, t, overrides=None):
   models are t's sections, or the architectures of init.actor_checkpoint /
   init.critic_checkpoint (their config.json, as the trainer reads them; no weights); a
   pipelined run (mesh.stage > 1) with its pipeline section's micro-batches and fused schedule.
-  A critic-free estimator is checked with a critic (an upper bound); model.vocab_size=0 is the
+  A critic-free estimator is checked without a critic (trains_critic); model.vocab_size=0 is the
   run's tokenizer's vocabulary; a reward model (reward.kind='model') is its checkpoint's
   architecture (config.reward_model: the `reward` program). experiments/plan_check.py's
   --run_config calls it with the flag's overrides (`overrides`, the command line's: one of a
@@ -243,9 +248,9 @@ def apply_run(c, t, overrides=None):
             if init.critic_checkpoint else run.critic_model.replace(vocab_size=actor.vocab_size))
   c.actor = ml_collections.ConfigDict(dataclasses.asdict(actor))
   stand_in = critic
-  if not run.algo.trains_critic:  # checked with a critic it never trains (an upper bound):
-    # a float16 section, which train_ppo leaves unused, stands in as bfloat16 (the same
-    # bytes), as the plan refuses a trained float16 model
+  if not run.algo.trains_critic:  # unused (trains_critic False): a float16 section, which
+    # train_ppo leaves unused too, stands in as bfloat16, as the plan refuses a trained float16
+    # model
     stand_in = critic.replace(**{f: "bfloat16" for f in ("dtype", "param_dtype")
                                  if getattr(critic, f) == "float16"})
   c.critic = ml_collections.ConfigDict(dataclasses.asdict(stand_in))
@@ -326,9 +331,14 @@ def get_config(arg: str = "tiny"):
   # The run builds a reference model (the trainer's algo.kl_coef > 0): the inference program is
   # its log-prob forward and an asynchronous generation group holds it beside the actor; False
   # (algo.kl_coef=0): no reference anywhere, the inference program is the critic's value
-  # forward (an upper bound where the instance scores nothing). A run's (run/, --run_config)
+  # forward (none without a critic either: trains_critic False). A run's (run/, --run_config)
   # is its algo.kl_coef's.
   c.reference = True
+  # The run trains a critic (the trainer's algo.trains_critic); False (a critic-free estimator:
+  # grpo, rloo, ...): the programs the trainer compiles for it: the actor's update alone (pp 1
+  # only, as the trainer refuses mesh.stage > 1 for it), no critic on the instances or a group,
+  # no critic_values pass, no inference program without a reference. A run's is its estimator's.
+  c.trains_critic = True
   # The reward model the instances score with beside the reference (a run's reward.kind=
   # 'model'): the `reward` program, its scalar forward on one inference micro-batch (mesh:
   # the whole rollout batch). '' : a

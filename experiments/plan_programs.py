@@ -146,7 +146,9 @@ from rlhfuse_jax.trainer import pipelined, ppo
 from rlhfuse_jax.trainer import update as update_lib
 from rlhfuse_jax.trainer import validate
 
-PROGRAMS = ("train_step", "decode", "inference")  # always compiled
+# always compiled, but inference for a critic-free run without a reference (trains_critic and
+# reference False: the trainer's instances score no such forward; since 2026-12-08)
+PROGRAMS = ("train_step", "decode", "inference")
 # prefill: compiled since 2026-12-05 (results before lack it; a review found it the largest
 # program of an instance: it writes the whole new KV cache beside the activations of every
 # slot's prompt); reward: compiled when the plan has a reward model; placement: when the actor
@@ -251,6 +253,12 @@ class PlanConfig:
   # value forward (what an instance still scores; an upper bound where it scores nothing), and
   # an asynchronous generation group holds no reference beside the actor.
   reference: bool = True
+  # Whether the run trains a critic (the trainer's algo.trains_critic: False for a critic-free
+  # estimator, grpo, rloo, ...). False: what the trainer compiles for such a run: the actor's
+  # update alone (ppo.make_update_fn with the critic state None; pp 1 only, as
+  # trainer/pipelined.check_config refuses mesh.stage > 1), no critic on the instances, the
+  # group or in the placement hand-over, no critic_values pass. `critic` is then unused.
+  trains_critic: bool = True
   # The reward model (a run's reward.kind='model': its checkpoint's architecture), scored on
   # the instances beside the reference: the `reward` program; None: a reward function.
   reward: ModelConfig | None = None
@@ -319,9 +327,9 @@ class PlanConfig:
   @property
   def critic_values_pass(self) -> bool:
     """Whether the trainer scores each batch's values with the current critic on the training
-    devices (asynchronous PPO, staleness > 0: PPOTrainer._current_values; a plan has a critic,
-    so a critic-free estimator's run, which skips it, is checked with it: an upper bound)."""
-    return self.staleness > 0
+    devices (asynchronous PPO, staleness > 0: PPOTrainer._current_values); a critic-free
+    estimator's run (trains_critic False) skips it."""
+    return self.staleness > 0 and self.trains_critic
 
   @property
   def keeps_actor_copy(self) -> bool:
@@ -377,8 +385,8 @@ class PlanConfig:
                                 "inference_microbatch"))
     config_files.check_int("microbatch_size", d["microbatch_size"], 0,
                            "0, pp 1 only: each data shard's rows at once")
-    for name in ("group_critic", "reference"):
-      _check(isinstance(d.get(name, name == "reference"), bool), name, d.get(name),
+    for name in ("group_critic", "reference", "trains_critic"):
+      _check(isinstance(d.get(name, name != "group_critic"), bool), name, d.get(name),
              "True or False")
     # (0 reached the trainer's PipelineConfig in make_update, after the earlier result had
     # moved aside, as "config.pipeline.search_time_s=0.0", a field plan_check does not have)
@@ -461,6 +469,7 @@ class PlanConfig:
         group_critic=d.get("group_critic", False),
         search_seed=d.get("search_seed", 0),
         search_evaluations=d.get("search_evaluations", 0), reference=d.get("reference", True),
+        trains_critic=d.get("trains_critic", True),
         inference_pp=d.get("inference_pp", 1),
         migration_rows=d.get("migration_rows", 8), old_logp=d.get("old_logp", "auto"),
         staleness=d.get("staleness", 0))
@@ -477,6 +486,13 @@ class PlanConfig:
            "generation group, or over the data axes with pp > 1's stage axis folded into them "
            "as the trainer does; a batch that does not split so, which the trainer runs whole "
            "on every stage, is not modelled)")
+    # trainer/pipelined.check_config's refusal, named by plan_check's fields
+    _check(self.trains_critic or self.pp == 1, "pp", self.pp,
+           "1 with trains_critic=False: a critic-free estimator trains no critic, but pp > 1 "
+           "(mesh.stage > 1) trains through the fused actor/critic pipeline executor, which has "
+           "no actor-only pipeline")
+    _check(self.trains_critic or not self.group_critic, "group_critic", self.group_critic,
+           "False with trains_critic=False (there is no critic to score values with)")
     _check(self.pp % self.critic_pp == 0, "critic_pp", self.critic_pp, f"a divisor of pp={self.pp}")
     for field, model, n_stages, full in (("actor", self.actor, self.pp, self.actor_layers),
                                          ("critic", self.critic, self.critic_pp,
@@ -490,7 +506,8 @@ class PlanConfig:
     ipp = self.inference_pp
     _check(ipp == 1 or self.generation == "instances", "inference_pp", ipp,
            "1 with generation='mesh' (pipelines of instances score on generation instances)")
-    for field, model in (("actor", self.actor), ("critic", self.critic),
+    for field, model in (("actor", self.actor),
+                         ("critic", self.critic if self.trains_critic else None),
                          ("reward_model", self.reward)):
       _check(model is None or model.num_layers % ipp == 0, "inference_pp", ipp,
              f"a divisor of the {model.num_layers if model else 0} layers compiled of the "
@@ -590,7 +607,10 @@ def make_update(cfg: PlanConfig, mesh, tx, workdir: str):
   if cfg.pp == 1:
     algo = dataclasses.replace(algo, microbatch_size=cfg.microbatch_size,
                                gradient_sync=cfg.gradient_sync)
-    return (ppo.make_update_fn(cfg.actor, cfg.critic, algo, 1.0, tx, tx, mesh=mesh),
+    # Without a critic the actor's update alone: the trainer's (update._plain_update) has no
+    # critic optimizer and calls it with the critic state None.
+    return (ppo.make_update_fn(cfg.actor, cfg.critic, algo, 1.0, tx,
+                               tx if cfg.trains_critic else None, mesh=mesh),
             {"schedule": "none", "accumulated_microbatches": cfg.actor_microbatches})
   train_cfg = tc.TrainConfig(
       seed=0, num_iterations=1, model=cfg.actor, critic_model=cfg.critic,
@@ -618,8 +638,10 @@ def train_args(cfg: PlanConfig, mesh, tx, update) -> tuple:
     ex = update.executor
     params = [mesh_lib.abstract(ex.layouts[m].staged_shapes(), ex.staged_shardings(m))
               for m in ("actor", "critic")]
-  return (*(ppo.ModelState(p, abstract_opt_state(tx, p, mesh, cfg.zero1)) for p in params),
-          abstract_batch(cfg, mesh))
+  states = [ppo.ModelState(p, abstract_opt_state(tx, p, mesh, cfg.zero1)) for p in params]
+  if not cfg.trains_critic:  # the critic state None, as the trainer's update is called
+    states[1] = None
+  return (*states, abstract_batch(cfg, mesh))
 
 
 def make_instance(cfg: PlanConfig) -> inst_lib.GenerationInstance:
@@ -630,7 +652,9 @@ def make_instance(cfg: PlanConfig) -> inst_lib.GenerationInstance:
   sampling = SamplingConfig(max_new_tokens=cfg.response_len, chunk_size=cfg.chunk_size)
   frozen = (inst_lib.FrozenModels(reference=cfg.actor.replace(head="lm"), reward=cfg.reward)
             if cfg.reference else
-            inst_lib.FrozenModels(reference=None, critic=cfg.critic, reward=cfg.reward))
+            inst_lib.FrozenModels(reference=None,
+                                  critic=cfg.critic if cfg.trains_critic else None,
+                                  reward=cfg.reward))
   if cfg.generation == "mesh" and cfg.generation_devices:  # async PPO's data-only group mesh
     mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=cfg.generation_devices),
                               jax.devices()[:cfg.generation_devices])
@@ -755,24 +779,27 @@ def instance_programs(cfg: PlanConfig) -> dict:
   per_layer = per_layer_upcast(cfg)
   lowered = {}
   kind = "reference" if cfg.reference else "critic"
+  scorer = scoring_model(cfg)
   for scan in {cfg.actor.scan_layers, True} if per_layer else {cfg.actor.scan_layers}:
     actor = cfg.actor.replace(scan_layers=scan)
     reward = None if cfg.reward is None else cfg.reward.replace(scan_layers=scan)
     scan_cfg = dataclasses.replace(cfg, actor=actor, critic=cfg.critic.replace(scan_layers=scan),
                                    reward=reward)
     inst = make_instance(scan_cfg)
-    frozen = {kind: llama.param_shapes(scoring_model(scan_cfg))}
+    frozen = {}
+    if scorer is not None:
+      frozen[kind] = llama.param_shapes(scoring_model(scan_cfg))
     if reward is not None:
       frozen["reward"] = llama.param_shapes(reward)
     lowered[scan] = dict(inst.lower_all(llama.param_shapes(actor), frozen,
-                                        only=("prefill", "decode", kind, *frozen)))
+                                        only=("prefill", "decode", *frozen)))
   out = {}
   wanted = [("decode", "decode", decode_analytic(cfg)),
             ("prefill", "prefill", prefill_analytic(cfg))]
   pp = cfg.inference_pp
   for name, model, key, heads in (("inference", None, kind, None),
                                   ("reward", cfg.reward, "reward", 1)):
-    if name == "reward" and model is None:
+    if (name == "reward" and model is None) or (name == "inference" and scorer is None):
       continue
     if pp == 1:
       wanted.append((name, key, inference_analytic(cfg, model, heads)))
@@ -901,7 +928,9 @@ def placement_programs(cfg: PlanConfig, mesh, update) -> dict:
     ex = update.executor
     # The critic is handed over where it scores: on the instances, or the group's with
     # group_critic (the trainer's stage_critic).
-    for model in ("actor", "critic") if not group or cfg.group_critic else ("actor",):
+    # A critic-free run has none (pp > 1 is refused for it: PlanConfig.validate).
+    handed = cfg.trains_critic and (not group or cfg.group_critic)
+    for model in ("actor", "critic") if handed else ("actor",):
       whole = abstract_params(getattr(cfg, model), mesh)
       staged = _as_bits(mesh_lib.abstract(ex.layouts[model].staged_shapes(),
                                           ex.staged_shardings(model)))
@@ -1119,7 +1148,9 @@ def train_analytic(cfg: PlanConfig, info: dict) -> dict:
          "activations_bytes": 0.0}
   if cfg.pp == 1 and cfg.actor_microbatches > 1:
     out["grad_accumulator_bytes"] = 0.0  # float32 sums of the micro-batches' gradients
-  for model, n_stages in ((cfg.actor, cfg.pp), (cfg.critic, cfg.critic_pp)):
+  trained = ((cfg.actor, cfg.pp),) + (((cfg.critic, cfg.critic_pp),) if cfg.trains_critic
+                                      else ())  # a critic-free run trains the actor alone
+  for model, n_stages in trained:
     rows = cfg.micro_rows if model is cfg.actor else cfg.critic_micro_rows
     shards = n_stages * cfg.tp * cfg.fsdp
     params = llama.param_shapes(model)
@@ -1153,8 +1184,9 @@ def train_analytic(cfg: PlanConfig, info: dict) -> dict:
     if logits:
       out["logits_bytes"] = logits
   out["total_bytes"] = sum(out.values())
-  useful = accounting.ppo_update_flops(cfg.actor, cfg.critic, cfg.minibatch_size,
-                                       cfg.prompt_len, cfg.response_len) / cfg.train_devices
+  useful = accounting.ppo_update_flops(cfg.actor, cfg.critic if cfg.trains_critic else None,
+                                       cfg.minibatch_size, cfg.prompt_len,
+                                       cfg.response_len) / cfg.train_devices
   out["flops_per_device"] = useful
   if cfg.pp > 1:
     # A lockstep tick lasts as long as its costliest task: a last-stage backward (stage forward
@@ -1219,10 +1251,14 @@ def prefill_analytic(cfg: PlanConfig) -> dict:
           "flops_per_device": flops / n}
 
 
-def scoring_model(cfg: PlanConfig) -> ModelConfig:
+def scoring_model(cfg: PlanConfig) -> ModelConfig | None:
   """The model of the inference program: the reference (the actor's shape, an LM head), or
-  without one (cfg.reference False: algo.kl_coef=0) the critic."""
-  return cfg.actor if cfg.reference else cfg.critic
+  without one (cfg.reference False: algo.kl_coef=0) the critic; None without either (a
+  critic-free run without a reference: the trainer's instances score no such forward, only the
+  reward model where there is one, so there is no inference program)."""
+  if cfg.reference:
+    return cfg.actor
+  return cfg.critic if cfg.trains_critic else None
 
 
 def inference_analytic(cfg: PlanConfig, model: ModelConfig | None = None,
@@ -1286,9 +1322,10 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
   programs = {}
   mesh = train_mesh(cfg)
   tx = make_optimizer(staged=cfg.pp > 1, master_weights=cfg.master_weights)
-  logging.info("plan: mesh %s, %d devices; actor %d layers (of %d), critic %d (of %d)%s; "
+  logging.info("plan: mesh %s, %d devices; actor %d layers (of %d), %s%s; "
                "compiling on %s", dict(mesh.shape), cfg.num_devices, cfg.actor.num_layers,
-               cfg.actor_layers, cfg.critic.num_layers, cfg.critic_layers,
+               cfg.actor_layers, f"critic {cfg.critic.num_layers} (of {cfg.critic_layers})"
+               if cfg.trains_critic else "no critic (trains_critic False)",
                "" if cfg.reward is None else
                f", reward model {cfg.reward.num_layers} (of {cfg.reward_layers})", backend())
   if jax.default_backend() != "cpu":
@@ -1298,7 +1335,7 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
   update, info = make_update(cfg, mesh, tx, workdir)
   t0 = time.perf_counter()
   args = train_args(cfg, mesh, tx, update)
-  optimizer_bytes = sum(_device_bytes(s.opt_state) for s in args[:2])
+  optimizer_bytes = sum(_device_bytes(s.opt_state) for s in args[:2] if s is not None)
   lowered = update.lower(*args)
   del args
   logging.info("train_step: lowered in %.1fs (%s schedule); compiling ...",
@@ -1319,7 +1356,9 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
   programs.update(critic_values_program(cfg, mesh))
   critic = _nbytes(llama.param_shapes(cfg.critic)) / cfg.gen_model_shards
   copy = critic  # what a freed instance loads of the critic: a stage of it in a pipeline
-  if cfg.inference_pp > 1:
+  if not cfg.trains_critic:  # a critic-free run loads none
+    copy = 0.0
+  elif cfg.inference_pp > 1:
     copy = max(inf_stages.stage_nbytes(cfg.critic, llama.param_shapes(cfg.critic),
                                        cfg.inference_pp, s)
                for s in range(cfg.inference_pp)) / cfg.gen_model_shards
@@ -1333,6 +1372,8 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
                      group_actor_shared=async_copies.shares_group_buffers(cfg.gen_model_shards))
   models = {"actor": cfg.actor, "critic": cfg.critic}
   full = {"actor": cfg.actor_layers, "critic": cfg.critic_layers}
+  if not cfg.trains_critic:  # (compiled nowhere)
+    del models["critic"], full["critic"]
   if cfg.reward is not None:
     models["reward"], full["reward"] = cfg.reward, cfg.reward_layers
   return {
@@ -1352,7 +1393,7 @@ def run(cfg: PlanConfig, workdir: str) -> dict:
                "critic_microbatch_size": cfg.critic_microbatch_size,
                "generation_devices": cfg.generation_devices, "group_critic": cfg.group_critic,
                "search_seed": cfg.search_seed, "search_evaluations": cfg.search_evaluations,
-               "reference": cfg.reference,
+               "reference": cfg.reference, "trains_critic": cfg.trains_critic,
                "reward_model": cfg.reward is not None, "old_logp": cfg.old_logp,
                "staleness": cfg.staleness, "actor_logp_pass": cfg.actor_logp_pass,
                "actor_copy_bytes": programs["train_step"]["actor_copy_bytes"],
@@ -1761,9 +1802,11 @@ def verdict(result: dict) -> str:
   if lc.get("reduced"):
     reward = (f", {lc['reward']} of {lc['reward_full']} reward model layers" if "reward" in lc
               else "")
-    line += (f" -- for {lc['actor']} of {lc['actor_full']} actor layers{reward} and "
-             f"{lc['critic']} of {lc['critic_full']} critic layers (config.layers): not a "
-             "verdict on the whole models")
+    # (a critic-free run's result has no critic: trains_critic False)
+    critic = (f" and {lc['critic']} of {lc['critic_full']} critic layers" if "critic" in lc
+              else "")
+    line += (f" -- for {lc['actor']} of {lc['actor_full']} actor layers{reward}{critic} "
+             "(config.layers): not a verdict on the whole models")
   return line
 
 

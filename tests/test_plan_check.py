@@ -2786,3 +2786,45 @@ def test_a_groups_freed_instance_loads_its_own_critic_beside_the_whole_one(gen_t
     assert set(new) == set(instance.devices.flat)
     # (an upper bound: the instance's replicated norms share the group's buffers)
     assert max(new.values()) <= counted < 1.05 * max(new.values()), (new, counted)
+
+
+def test_a_critic_free_run_is_checked_without_a_critic(tmp_path):
+  """--run_config of a critic-free estimator (ppo_tiny:grpo; here also kl_coef=0 and
+  staleness 1): the trainer builds no critic (rollout.use_critic, update.make_update(
+  use_critic=False): the actor's update with the critic state None), yet plan_check compiled
+  and counted one ("an upper bound"), until 2026-12-08. The plan follows the run
+  (trains_critic False): the train step's arguments are the actor's state and the batch fields
+  its loss reads, below the same run's with a critic; no critic_values pass at staleness 1, and
+  without a reference nor a critic the instances score nothing: no inference program."""
+  from configs import ppo_tiny
+  run = ppo_tiny.get_config("grpo")
+  run.algo.kl_coef = 0.0
+  run.async_ppo.staleness = 1
+  c = plan_config.get_config("tiny")
+  plan_config.apply_run(c, run)
+  cfg = plan_programs.PlanConfig.from_config_dict(c)
+  result = plan_programs.run_and_write(cfg, str(tmp_path))
+  train = result["programs"]["train_step"]
+  mesh = plan_programs.train_mesh(cfg)
+  tx = plan_programs.make_optimizer(staged=False, master_weights=cfg.master_weights)
+  update, _ = plan_programs.make_update(cfg, mesh, tx, str(tmp_path))
+  actor, _, batch = plan_programs.train_args(cfg, mesh, tx, update)
+  # The same run's critic state (PPO's train step holds it beside the actor's).
+  params = plan_programs.abstract_params(cfg.critic, mesh)
+  critic = ppo.ModelState(params, plan_programs.abstract_opt_state(tx, params, mesh, cfg.zero1))
+  # (jit drops the batch fields the actor's loss never reads: the critic's and ref_logp)
+  read = ("tokens", "prompt_lens", "mask", "old_logp", "advantages")
+  state = plan_programs._device_bytes(actor)
+  assert train["argument_bytes"] == state + sum(plan_programs._device_bytes(batch[k])
+                                                for k in read)
+  assert train["optimizer_state_bytes"] == plan_programs._device_bytes(actor.opt_state)
+  assert train["argument_bytes"] < state + plan_programs._device_bytes(critic)
+  params = plan_programs._nbytes(llama.param_shapes(cfg.actor))
+  assert train["analytic"]["params_bytes"] == params / (cfg.tp * cfg.fsdp)
+  assert cfg.staleness == 1 and cfg.reference is False
+  assert sorted(result["programs"]) == ["actor_logp", "decode", "prefill", "train_step"]
+  assert result["plan"]["trains_critic"] is False and "critic" not in result["models"]
+  assert "critic" not in plan_programs.table(result)[-1]
+  # The trainer's refusal of a pipelined critic-free run, by plan_check's own field.
+  with pytest.raises(ValueError, match=r"config\.pp=2: expected 1 with trains_critic=False"):
+    dataclasses.replace(cfg, pp=2, microbatch_size=1).validate()
