@@ -2175,6 +2175,37 @@ def test_simulated_training_memory_counts_plan_checks_gradient_accumulator():
   assert not train_lib.TrainPlan(8, 32, 2, 2, 1, 1).accumulates
 
 
+def test_a_critic_free_runs_simulated_training_memory_is_plan_checks_actor_alone():
+  """plan_search sizes a critic-free run's training as the actor's alone (Workload.
+  trains_critic, since 2026-12-08) and plan_check now compiles it so (PlanConfig.
+  trains_critic): the search's plan_memory training row and plan_check's analytic figures of
+  the same unpipelined plan agree part by part, half the PPO pair's on the small case (both
+  models one shape; plan_check counted the pair's 84.0 MB of weights before, the row 42.0 MB).
+  The optimizer state is left out: the two count AdamW's moments apart for PPO too."""
+  from rlhfuse_jax.sim import iteration_sim as it
+  from rlhfuse_jax.sim import plan_search as ps
+  from rlhfuse_jax.sim.cost_model import CostModel
+  wl, plan, cfg = _small_case("instances")
+  cost = CostModel(hardware.get_hardware("h100_sxm"))
+  opt = it.SimOptions(trainer_runnable=True)
+  parts = {"weights": "params_bytes", "grads": "grads_bytes", "activations": "activations_bytes",
+           "grad accumulator": "grad_accumulator_bytes", "logits": "logits_bytes"}
+  free_plan = {**plan, "training": {k: v for k, v in plan["training"].items()
+                                    if k != "critic_pp"}}
+  rows = {}
+  for trains_critic, p in ((True, plan), (False, free_plan)):
+    w = dataclasses.replace(wl, trains_critic=trains_critic)
+    analytic = plan_programs.train_analytic(
+        dataclasses.replace(cfg, trains_critic=trains_critic), {})
+    train = next(r for r in ps.plan_memory(cost, w, opt, p) if r["stage"] == "training")
+    assert set(parts) <= set(train["parts"])
+    for name, key in parts.items():
+      assert train["parts"][name] == pytest.approx(analytic[key], rel=1e-6), (name,
+                                                                              trains_critic)
+    rows[trains_critic] = train["parts"]
+  assert rows[False]["weights"] == pytest.approx(rows[True]["weights"] / 2, rel=1e-3)
+
+
 def test_simulated_optimizer_state_takes_the_runs_master_weights(tmp_path):
   """AdamW's state as the trainer holds it (rl/optim.float32_master with optim.master_weights;
   optax's moments in the weights' dtype without): the simulator counted the papers' float32
