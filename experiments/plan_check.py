@@ -13,12 +13,14 @@ jax.ShapeDtypeStructs with shardings (no parameter is allocated), the programs t
 (experiments/plan_programs.py says which and how they are measured):
 
   train_step  the PPO update the trainer jits: trainer/pipelined.py (the fused executor + AdamW)
-              when pp > 1, trainer/ppo.make_update_fn (micro-batched) when pp == 1
+              when pp > 1, trainer/ppo.make_update_fn (micro-batched) when pp == 1 (the
+              actor's alone with config.trains_critic False, pp == 1 only, as the trainer)
   decode      a generation instance's decode chunk (generation/instances.py) on gen_tp devices,
               or with generation="mesh" the Generator's on the training mesh
   inference   the instance's reference log-prob forward (inference/scoring.py; "mesh": the
               Scorer's, on the whole rollout batch); with config.reference False (a run's
-              algo.kl_coef=0: no reference) the critic's value forward
+              algo.kl_coef=0: no reference) the critic's value forward; none without a
+              critic either (config.trains_critic False: a critic-free algo.estimator)
   reward      with config.reward_model (a run's reward.kind='model': its checkpoint's
               architecture), the reward model's scalar forward on the same devices and rows
   actor_logp  where the run makes it, the actor's log-prob forward on the training devices
@@ -26,9 +28,9 @@ jax.ShapeDtypeStructs with shardings (no parameter is allocated), the programs t
               (config.old_logp "recompute", or "auto" with a 16-bit actor and pp == 1, in the
               update's micro-batches) or asynchronous PPO's proximal log-probs (config.staleness
               > 0, a mini-batch a piece); the trainer's Scorer and jitted forward
-  critic_values  with config.staleness > 0 (asynchronous PPO), the current critic's value
-              forward on the training devices before the advantages, beside the training
-              state, a mini-batch a piece; the trainer's Scorer and jitted forward
+  critic_values  with config.staleness > 0 (asynchronous PPO) and a critic, the current
+              critic's value forward on the training devices before the advantages, beside
+              the training state, a mini-batch a piece; the trainer's Scorer and jitted forward
 
 With config.staleness > 0 and no generation group the trainer's copy of the actor for the next
 batch (kept through the update and that generation) counts beside the train step and the

@@ -21,7 +21,7 @@ Every program is the codebase's own, reached through the function its caller jit
   inference   the same instance's reference log-prob forward (inference/scoring.py) on one
               inference micro-batch (generation="mesh": the Scorer's, the whole rollout batch);
               without a reference (config.reference False: algo.kl_coef=0) the critic's value
-              forward
+              forward; none without a critic either (config.trains_critic False)
   prefill     the same instance's prefill of every slot's prompt: it writes the whole new KV
               cache (its output) beside one layer's activations of those prompts
   migrate     generation="instances": a consolidation's migration at the instance's largest
