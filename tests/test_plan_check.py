@@ -2859,3 +2859,10 @@ def test_a_critic_free_run_is_checked_without_a_critic(tmp_path):
   # The trainer's refusal of a pipelined critic-free run, by plan_check's own field.
   with pytest.raises(ValueError, match=r"config\.pp=2: expected 1 with trains_critic=False"):
     dataclasses.replace(cfg, pp=2, microbatch_size=1).validate()
+  with pytest.raises(ValueError, match=r"config\.group_critic=True: expected False with "
+                     "trains_critic=False"):
+    dataclasses.replace(cfg, group_critic=True, generation_devices=4).validate()
+  fields = c.to_dict()
+  fields["trains_critic"] = "False"  # (a bool, as reference and group_critic)
+  with pytest.raises(ValueError, match=r"config\.trains_critic='False': expected True or False"):
+    plan_programs.PlanConfig.from_config_dict(ml_collections.ConfigDict(fields))
