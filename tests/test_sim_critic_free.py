@@ -147,3 +147,4 @@ def test_a_pipelined_plan_without_a_critic_reads_without_critic_fields():
   assert settings["mesh", "stage"] == (2, "training.actor_pp")
   assert settings["pipeline", "actor_microbatches"][0] == plan["training"]["actor_microbatches"]
   assert ("pipeline", "critic_microbatches") not in settings
+  assert ("pipeline", "critic_pp") not in settings  # (it set 1, a field the file lacks)

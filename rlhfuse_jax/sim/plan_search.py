@@ -71,6 +71,11 @@ split's (so it can be slower or faster than the synchronous plan: the rescore's 
 against the critic's forward and, offloaded, its weights' load on the instances), where that
 plan fits beside the copy of the actor the trainer keeps on its devices then
 (keeps_actor_copy, plan_memory) and its rescoring passes fit (rescore_rows).
+
+A run without a critic (Workload.trains_critic False: GRPO, RLOO, ...) is searched without one:
+the actor's training alone (training_sim with `critic` None; no disjoint placement), no critic
+forward in the inference or the rescore, no critic state in any memory row; trainer_refusal
+keeps its training unpipelined, as the trainer runs it. plan.json records no critic_pp.
 """
 from __future__ import annotations
 

@@ -126,7 +126,10 @@ def plan_file_settings(plan: Mapping[str, Any], path: str) -> dict[tuple[str, st
   out["mesh", "tensor"] = (tp, "training.tp")
   out["mesh", "stage"] = (actor_pp, "training.actor_pp")
   if actor_pp > 1:
-    out["pipeline", "critic_pp"] = (critic_pp, "training.critic_pp")
+    # (a plan without a critic has no critic_pp: the run's own is left, as a field the file
+    # never set; a critic-free run refuses the stages anyway)
+    if "critic_pp" in train:
+      out["pipeline", "critic_pp"] = (critic_pp, "training.critic_pp")
   elif critic_pp != 1:
     raise ValueError(f"{where}: training.critic_pp={critic_pp} with training.actor_pp=1; the "
                      "trainer pipelines the critic only over the actor's stage axis")
