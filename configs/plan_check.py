@@ -244,8 +244,13 @@ def apply_run(c, t, overrides=None):
   # programs with an LM head and said the plan fits)
   actor = (build.actor_checkpoint_config(init.actor_checkpoint, run.model)
            if init.actor_checkpoint else run.model)
-  critic = (build.checkpoint_config(init.critic_checkpoint, run.critic_model)
-            if init.critic_checkpoint else run.critic_model.replace(vocab_size=actor.vocab_size))
+  # A critic-free run never reads init.critic_checkpoint (build.resolve_config): nor does the
+  # plan, which leaves its critic unused (until 2026-12-08 read, and a missing one refused
+  # as config.init.actor_checkpoint).
+  critic = (build.checkpoint_config(init.critic_checkpoint, run.critic_model,
+                                    "init.critic_checkpoint")
+            if init.critic_checkpoint and run.algo.trains_critic else
+            run.critic_model.replace(vocab_size=actor.vocab_size))
   c.actor = ml_collections.ConfigDict(dataclasses.asdict(actor))
   stand_in = critic
   if not run.algo.trains_critic:  # unused (trains_critic False): a float16 section, which

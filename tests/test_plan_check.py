@@ -1812,6 +1812,27 @@ def test_a_pipelined_run_is_checked_with_its_checkpoints_layers(tmp_path, monkey
     plan_config.apply_run(plan_config.get_config("tiny"), run)
 
 
+def test_a_critic_free_runs_critic_checkpoint_is_not_read(tmp_path):
+  """A critic-free run (algo.estimator grpo) never reads init.critic_checkpoint: the trainer
+  resolves and checks it only where a critic trains (build.resolve_config, validate's
+  warning that it is not used), so a path with no config.json passes train_ppo. apply_run read
+  it anyway, and refused the run plan_check now checks without a critic ("config.init.
+  actor_checkpoint='...': .../config.json not found", the wrong field too). A GAE run's
+  missing critic checkpoint is still refused, by its own field."""
+  from configs import ppo_tiny
+  missing = str(tmp_path / "no_critic")
+  run = ppo_tiny.get_config("grpo")
+  run.init.critic_checkpoint = missing
+  c = plan_config.get_config("tiny")
+  plan_config.apply_run(c, run)
+  assert c.trains_critic is False
+  assert c.critic.num_layers == run.critic_model.num_layers
+  run = ppo_tiny.get_config("ppo")
+  run.init.critic_checkpoint = missing
+  with pytest.raises(FileNotFoundError, match=r"config\.init\.critic_checkpoint="):
+    plan_config.apply_run(plan_config.get_config("tiny"), run)
+
+
 def test_run_config_with_a_plan_file_for_another_workload_says_so(tmp_path):
   """--run_config's plan.file searched for another model and batch: train_ppo warns of it at
   set-up, plan_check checked the plan on the run's workload without a word (a 48-layer plan on
