@@ -1493,7 +1493,7 @@ def beside_train_state(programs: dict, hbm: float, offload_optimizer: bool,
   - instances on the training devices (`generation`="instances"): the frozen models wait in
     host memory and an instance freed for inference loads all its scoring models at once
     (generation/fused.InferenceQueue._load): the reference, the critic's copy
-    (`critic_copy_bytes`: plan_check checks with a critic) and the reward model; each scoring
+    (`critic_copy_bytes`; none for a run without a critic) and the reward model; each scoring
     program has the others beside it, decode none;
   - the serial stage on the training mesh (`generation`="mesh"): the reference and the reward
     model stay on the mesh for the whole run, the train step included (its
@@ -1686,8 +1686,10 @@ def verdict(result: dict) -> str:
     line = f"verdict: every program fits in {_gb(result['programs'][PROGRAMS[0]]['hbm_bytes'])} GB"
   else:
     plan = result.get("plan", {})
-    split = ([] if plan.get("zero1") else ["zero1 (a run's optim.zero1)"]) + [
-        "fsdp", "more stages or tensor devices"]
+    # (no stages for a run without a critic: the trainer pipelines PPO's pair only)
+    more = ("more tensor devices" if plan.get("trains_critic") is False else
+            "more stages or tensor devices")
+    split = ([] if plan.get("zero1") else ["zero1 (a run's optim.zero1)"]) + ["fsdp", more]
     # (not where the trainer refuses it: asynchronous PPO, a generation group)
     offload = [] if (plan.get("offload_optimizer") or plan.get("staleness") or
                      plan.get("generation_devices")) else [
@@ -1758,7 +1760,7 @@ def verdict(result: dict) -> str:
     gathered = plan.get("pp", 1) > 1 and not plan.get("scan_layers")
     scan = ["scanned layers (scan_layers: a run's model.scan_layers; a pipelined model is "
             "then handed over split over the stages, not gathered)"]
-    handover = {"unstack": scan if gathered else ["fsdp", "more stages or tensor devices"],
+    handover = {"unstack": scan if gathered else ["fsdp", more],
                 "reshard": (scan if gathered else []) + models}
     hints = []
     for name in over:
@@ -1868,7 +1870,8 @@ def link_bound_notes(result: dict, min_s: dict | None = None) -> list[str]:
       line += (f"; each of its {p['accumulated_microbatches']} micro-batches gathers the weights "
                "and reduces the gradients (algo.gradient_sync='once' does so once per step, "
                "holding the gathered weights and float32 sums)")
-    if name == "train_step" and plan["pp"] == 1 and plan["fsdp"] > 1:
+    if (name == "train_step" and plan["pp"] == 1 and plan["fsdp"] > 1 and
+        plan.get("trains_critic") is not False):  # (a critic-free run takes no stages)
       line += ("; a pipeline keeps each stage's layers where they are used (mesh.stage, "
                "pipeline.*: configs/ppo_llama.py:fused/<pair>, plan_search)")
     lines.append(line)

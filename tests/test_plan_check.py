@@ -2876,7 +2876,19 @@ def test_a_critic_free_run_is_checked_without_a_critic(tmp_path):
   assert cfg.staleness == 1 and cfg.reference is False
   assert sorted(result["programs"]) == ["actor_logp", "decode", "prefill", "train_step"]
   assert result["plan"]["trains_critic"] is False and "critic" not in result["models"]
-  assert "critic" not in plan_programs.table(result)[-1]
+  # The verdict of fewer layers compiled names the actor's alone (it read the critic's
+  # counts: a KeyError), and what would make room takes no stages, which such a run refuses.
+  reduced = {**result, "layers_compiled": {**result["layers_compiled"], "reduced": True}}
+  reduced["programs"] = {**result["programs"],
+                         "train_step": {**train, "fits": False, "argument_bytes": 1e12}}
+  line = plan_programs.verdict(reduced)
+  assert "critic" not in line and "actor layers (config.layers)" in line, line
+  assert "more stages" not in line and "more tensor devices" in line, line
+  bound = {**result, "plan": {**result["plan"], "fsdp": 2}}
+  bound["programs"] = {**result["programs"], "train_step": {
+      **train, "collective_s": 10.0, "program_collective_s": 10.0}}
+  notes = plan_programs.link_bound_notes(bound, {})
+  assert notes and not any("a pipeline keeps" in n for n in notes), notes
   # The trainer's refusal of a pipelined critic-free run, by plan_check's own field.
   with pytest.raises(ValueError, match=r"config\.pp=2: expected 1 with trains_critic=False"):
     dataclasses.replace(cfg, pp=2, microbatch_size=1).validate()
