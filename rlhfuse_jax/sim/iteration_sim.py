@@ -154,6 +154,12 @@ class Workload:
         raise ValueError(f"workload.{role} {shape.name!r} must have head='scalar'")
 
   @property
+  def trained_models(self) -> tuple:
+    """(("actor", shape), ("critic", shape)) of the models the run trains: the actor's alone
+    where it trains no critic (trains_critic)."""
+    return (("actor", self.actor),) + ((("critic", self.critic),) if self.trains_critic else ())
+
+  @property
   def trained_critic(self) -> Optional[ModelShape]:
     """The critic's shape where the run trains one (trains_critic), else None: training_sim's
     `critic` argument."""
@@ -449,10 +455,11 @@ def colocated_state_bytes(cost: CostModel, wl: Workload, opt: SimOptions,
   """Per device, the actor's and critic's kept_state_bytes on the colocated training plan
   `plan` (train_state_bytes, plan_search.uniform_candidates); the actor's alone where the run
   trains no critic (Workload.trains_critic)."""
-  models = ((wl.actor, plan.actor_pp, plan.dp),) + (
-      ((wl.critic, plan.critic_pp, plan.dp * plan.critic_replicas),) if wl.trains_critic else ())
-  return sum(kept_state_bytes(cost.train_memory_parts(shape, plan.tp, pp, dp, True, 0.0, 0), opt)
-             for shape, pp, dp in models)
+  layouts = {"actor": (plan.actor_pp, plan.dp),
+             "critic": (plan.critic_pp, plan.dp * plan.critic_replicas)}
+  parts = (cost.train_memory_parts(shape, plan.tp, *layouts[role], True, 0.0, 0)
+           for role, shape in wl.trained_models)
+  return sum(kept_state_bytes(p, opt) for p in parts)
 
 
 def kept_state_bytes(parts: dict, opt: SimOptions) -> float:

@@ -355,10 +355,9 @@ def rescore_s(cost: CostModel, wl, train_plan: dict, seq_lens: np.ndarray, opt) 
   once, the slower one counts."""
   if train_plan["placement"] == "colocated":
     n, tp = train_plan["devices"], train_plan["tp"]
-    return sum(inference_stage_s(cost, (shape,), n, tp, pp, seq_lens, opt.inference_microbatch,
-                                 False)
-               for shape, pp in ((wl.actor, train_plan["actor_pp"]),) + (
-                   ((wl.critic, train_plan["critic_pp"]),) if wl.trains_critic else ()))
+    return sum(inference_stage_s(cost, (shape,), n, tp, train_plan[f"{role}_pp"], seq_lens,
+                                 opt.inference_microbatch, False)
+               for role, shape in wl.trained_models)
   return max(inference_stage_s(cost, (shape,), q["devices"], q["tp"], q["pp"], seq_lens,
                                opt.inference_microbatch, False)
              for shape, q in ((wl.actor, train_plan["actor"]), (wl.critic, train_plan["critic"])))
@@ -412,7 +411,7 @@ def rescore_rows(cost: CostModel, wl, opt, train: dict, kept: dict) -> list[dict
     data = {r: train[r]["dp"] for r in ("actor", "critic")}
     gather = {r: train[r]["pp"] > 1 for r in ("actor", "critic")}
   rows = []
-  for role, shape in trained_models(wl):
+  for role, shape in wl.trained_models:
     tp, pp, _ = layouts[role]
     if opt.trainer_runnable:
       at_once = -(-wl.minibatch // data[role])
@@ -542,12 +541,6 @@ def inference_candidates(cost: CostModel, wl, opt, seq_lens, rejected: dict,
   return out
 
 
-def trained_models(wl) -> tuple:
-  """(("actor", shape), ("critic", shape)) of the models the run trains: the actor's alone where
-  it trains no critic (Workload.trains_critic)."""
-  return (("actor", wl.actor),) + ((("critic", wl.critic),) if wl.trains_critic else ())
-
-
 def colocated_train_plan(wl, train: dict, devices: Optional[int] = None
                          ) -> "train_lib.TrainPlan":
   """training_sim.TrainPlan of a colocated training plan `train` (plan.json's form) on its
@@ -663,7 +656,7 @@ def uniform_candidates(cost: CostModel, wl, opt, prompts, resp, mean_len: float,
   for tp, pp in itertools.product((1, 2, 4, 8), (1, 2, 4, 8, 16)):
     if (tp > cost.hw.devices_per_node or wl.num_devices % (tp * pp) or
         any(s.tensor_parallel_error(tp) or s.num_layers % pp
-            for s in tuple(m for _, m in trained_models(wl)) + frozen)):
+            for s in tuple(m for _, m in wl.trained_models) + frozen)):
       continue
     name = f"uniform tp{tp} pp{pp}"
     kept = it.kept_frozen_bytes(wl, tp * pp, opt)
@@ -1025,7 +1018,7 @@ def workload_record(wl, train_config: str = "", opt=None, plan: Optional[dict] =
   the plan written; without one the run's, Workload.actor_copy), so that a run of another
   workload with it is warned of; trains_critic: whether it trains a critic
   (Workload.trains_critic; the critic's shape recorded only then)."""
-  roles = trained_models(wl) + (
+  roles = wl.trained_models + (
       (("reward", wl.reward),) if wl.reward_model and wl.reward is not None else ())
   out = {role: {"name": shape.name, **{f: getattr(shape, "head_dim_" if f == "head_dim" else f)
                                        for f in WORKLOAD_MODEL_FIELDS}}
@@ -1120,7 +1113,7 @@ def trainer_refusal(wl, plan: dict, host_devices: Optional[int] = None) -> Optio
   if not wl.trains_critic and pa > 1:
     return (f"training Pa={pa} without a critic (the trainer's pipelined update runs the actor "
             "and the critic together; a run that trains no critic takes mesh.stage=1)")
-  for m in (a, c) if wl.trains_critic else (a,):
+  for _, m in wl.trained_models:
     bad = [f"{f}={getattr(m, f)}" for f in ("num_heads", "intermediate_size")
            if getattr(m, f) % tp]
     bad += ([f"num_kv_heads={m.num_kv_heads}"] if m.num_kv_heads % tp and tp % m.num_kv_heads
