@@ -174,9 +174,10 @@ def step_costs(cost: CostModel, actor: ModelShape, critic: Optional[ModelShape],
   fa = float(cost.train_stage_fwd_s(actor, plan.tp, plan.actor_pp, mb_tokens, ctx, "actor"))
   ba = cost.train_stage_bwd_s(fa, "actor", cost.train_stage_comm_s(
       actor, plan.tp, plan.actor_pp, mb_tokens))
+  trained = (actor,) if critic is None else (actor, critic)
+  act_bytes = mb_tokens * max(s.hidden_size * s.act_itemsize for s in trained) / plan.tp
+  lat = stage_hop_s(cost, act_bytes, plan.tp * plan.dp, plan.actor_pp)
   if critic is None:
-    lat = stage_hop_s(cost, mb_tokens * actor.hidden_size * actor.act_itemsize / plan.tp,
-                      plan.tp * plan.dp, plan.actor_pp)
     if check_memory:
       check_train_memory(cost, actor, None, plan, mem_tokens, resident_bytes, head_positions)
     return StepCosts(
@@ -186,8 +187,6 @@ def step_costs(cost: CostModel, actor: ModelShape, critic: Optional[ModelShape],
   fc = float(cost.train_stage_fwd_s(critic, plan.tp, plan.critic_pp, mb_tokens, ctx, "critic"))
   bc = cost.train_stage_bwd_s(fc, "critic", cost.train_stage_comm_s(
       critic, plan.tp, plan.critic_pp, mb_tokens))
-  act_bytes = mb_tokens * max(s.hidden_size * s.act_itemsize for s in (actor, critic)) / plan.tp
-  lat = stage_hop_s(cost, act_bytes, plan.tp * plan.dp, plan.actor_pp)
   problem = PipelineProblem(
       actor_pp=plan.actor_pp, critic_pp=plan.critic_pp,
       actor_microbatches=plan.actor_microbatches, critic_microbatches=plan.critic_microbatches,
