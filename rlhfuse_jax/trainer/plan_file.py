@@ -212,13 +212,17 @@ PLAN_WORKLOAD_RUN_FIELDS = {"global_batch": "rollout.batch_size",
                             # the actor on the training devices (since 2026-12-07)
                             "actor_copy": "async_ppo.keeps_actor_copy",
                             # whether it searched a critic's training (since 2026-12-08; an
-                            # older file's was: plan_workload_differences reads it as true)
+                            # older file's did: UNRECORDED_MEANT)
                             "trains_critic": "algo.trains_critic",
                             # recorded for a run's plan (train_config) only
                             "inference_micro_batch": "fusion.inference_micro_batch",
                             "migration_rows": "fusion.migration_rows",
                             "offload_optimizer": "optim.offload_during_rollout",
                             "master_weights": "optim.master_weights"}
+# What a run field plan.json does not record stood for when the file was written, where every
+# file before the field was recorded agrees (compared as that value; any other field a file
+# lacks is not compared): plan_search searched with a critic until 2026-12-08.
+UNRECORDED_MEANT = {"trains_critic": True}
 # The actor's and critic's fields it records (sim/plan_search.WORKLOAD_MODEL_FIELDS) and
 # compares here, but for the dtypes' bytes (ITEMSIZE_DTYPES, compared below) and max_seq_len:
 # a bound on the context, which neither the simulator's times and memory nor the trainer's
@@ -450,9 +454,10 @@ def plan_workload_differences(plan: Mapping[str, Any], cfg: Any,
   for key, field in PLAN_WORKLOAD_RUN_FIELDS.items():
     sec, name = field.split(".")
     now = getattr(getattr(cfg, sec), name)
-    # (every plan written before plan_search recorded trains_critic searched with a critic)
-    recorded = w.get(key, True) if key == "trains_critic" else w.get(key)
-    if (key not in w and key != "trains_critic") or recorded == now:
+    if key not in w and key not in UNRECORDED_MEANT:
+      continue
+    recorded = w.get(key, UNRECORDED_MEANT.get(key))
+    if recorded == now:
       continue
     if key == "reference":  # said by the field a user sets, not the property
       has = f"algo.kl_coef={cfg.algo.kl_coef:g}: {'a' if now else 'no'} reference model"
