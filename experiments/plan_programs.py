@@ -631,17 +631,17 @@ def make_update(cfg: PlanConfig, mesh, tx, workdir: str):
 
 def train_args(cfg: PlanConfig, mesh, tx, update) -> tuple:
   """The update's arguments as the trainer holds them: whole models placed by the logical
-  rules (pp == 1), or stage-stacked with each stage's layers on its stage devices (pp > 1)."""
+  rules (pp == 1), or stage-stacked with each stage's layers on its stage devices (pp > 1);
+  without a critic (trains_critic False, pp 1 only) the critic's state None, as the trainer
+  calls its update."""
+  state = lambda p: ppo.ModelState(p, abstract_opt_state(tx, p, mesh, cfg.zero1))
   if cfg.pp == 1:
-    params = [abstract_params(cfg.actor, mesh), abstract_params(cfg.critic, mesh)]
-  else:
-    ex = update.executor
-    params = [mesh_lib.abstract(ex.layouts[m].staged_shapes(), ex.staged_shardings(m))
-              for m in ("actor", "critic")]
-  states = [ppo.ModelState(p, abstract_opt_state(tx, p, mesh, cfg.zero1)) for p in params]
-  if not cfg.trains_critic:  # the critic state None, as the trainer's update is called
-    states[1] = None
-  return (*states, abstract_batch(cfg, mesh))
+    critic = state(abstract_params(cfg.critic, mesh)) if cfg.trains_critic else None
+    return state(abstract_params(cfg.actor, mesh)), critic, abstract_batch(cfg, mesh)
+  ex = update.executor
+  actor, critic = (state(mesh_lib.abstract(ex.layouts[m].staged_shapes(), ex.staged_shardings(m)))
+                   for m in ("actor", "critic"))
+  return actor, critic, abstract_batch(cfg, mesh)
 
 
 def make_instance(cfg: PlanConfig) -> inst_lib.GenerationInstance:
